@@ -1,0 +1,39 @@
+# make engine | serve | test | bench   (see README.md)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BUILD ?= build
+BACKEND ?= cpu
+MODEL ?=
+PRESET ?=
+ENGINE_FLAGS := --backend $(BACKEND) --output-dir $(BUILD) $(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET))
+
+.PHONY: install engine serve test bench clean
+
+# A venv with every role's pinned dependencies; rebuilt when pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==25.3
+	$(PY) -m pip install --quiet -e '.[frontend,engine,dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+engine: install
+	$(PY) -m build_engine $(ENGINE_FLAGS)
+
+# Builds the default demo engine only if none exists (or if MODEL/PRESET asks for another one).
+serve: install
+	$(PY) -m build_engine --if-missing $(ENGINE_FLAGS)
+	$(PY) -m launcher serve --model-repository $(BUILD)/model_repository --work-dir $(BUILD)
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m build_engine --if-missing --preset small --output-dir $(BUILD)/bench
+	$(PY) -m benchmarks.stack_bench --model-repository $(BUILD)/bench/model_repository --work-dir $(BUILD)/bench
+
+clean:
+	rm -rf $(BUILD)

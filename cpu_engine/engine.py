@@ -1,0 +1,103 @@
+"""The engine loop: a background thread that steps the scheduler while there is work.
+
+Triton's `execute()` must return at once for a decoupled model, so requests are handed over through a
+thread-safe inbox and the loop thread alone touches the scheduler. Cancellation by the client (Triton's
+`is_cancelled()`) is polled at most every `cancel_poll_s`, since each poll crosses a process boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from cpu_engine.config import EngineConfig
+from cpu_engine.runner import LlamaRunner
+from cpu_engine.scheduler import GenerationRequest, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def configure_threads(num_threads: int) -> int:
+    threads = num_threads if num_threads > 0 else len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    return threads
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, is_cancelled: Callable[[GenerationRequest], bool] | None = None,
+                 cancel_poll_s: float = 0.02):
+        self.scheduler = scheduler
+        self._is_cancelled = is_cancelled
+        self._cancel_poll_s = cancel_poll_s
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-engine", daemon=True)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: object) -> "Engine":
+        configure_threads(config.num_threads)
+        runner = LlamaRunner(config)
+        return cls(Scheduler(runner, config.max_num_tokens), **kwargs)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopped.set()
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Raises RequestError at once for a request that can never run."""
+        self.scheduler.validate(request)
+        self._inbox.put(("add", request))
+        self._wakeup.set()
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+        self._wakeup.set()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.scheduler.waiting.append(item)  # already validated in submit()
+            else:
+                self.scheduler.cancel(item)
+
+    def _poll_cancellations(self) -> None:
+        if self._is_cancelled is None:
+            return
+        requests = [s.request for s in self.scheduler.running] + list(self.scheduler.waiting)
+        for request in requests:
+            if self._is_cancelled(request):
+                self.scheduler.cancel(request.request_id)
+
+    def _loop(self) -> None:
+        last_poll = 0.0
+        with torch.inference_mode():
+            while not self._stopped.is_set():
+                self._drain_inbox()
+                if not self.scheduler.has_work:
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                now = time.monotonic()
+                if now - last_poll >= self._cancel_poll_s:
+                    self._poll_cancellations()
+                    last_poll = now
+                try:
+                    self.scheduler.step()
+                except Exception:  # keep serving; the scheduler already failed the step's requests
+                    log.exception("engine step failed")

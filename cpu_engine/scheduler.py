@@ -1,0 +1,250 @@
+"""In-flight batching: which sequences run in the next step, and what happens to them after it.
+
+Pure engine logic with no Triton in it, so tests drive it step by step. Requests wait in a FIFO queue
+and take a KV-cache slot when one is free; a request that could never fit (prompt + output over
+max_seq_len) is refused before it takes one. Each step decodes one token for every sequence past its
+prompt and spends the rest of the `max_num_tokens` budget on prompt chunks, so a long prompt is read a
+chunk at a time while the other streams keep producing tokens. Finished and cancelled sequences leave
+at the end of the step and their slot is free for the next one.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from cpu_engine.runner import Chunk
+from cpu_engine.sampling import SamplingParams, SamplingRow, sample
+
+
+class FinishReason(str, enum.Enum):
+    END_ID = "end_id"
+    STOP_WORDS = "stop_words"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+class ResponseSink(Protocol):
+    """Where a sequence's results go (a Triton response sender in production, a list in tests)."""
+
+    def send(self, tokens: list[int], logprobs: list[float], finish: FinishReason | None) -> None: ...
+
+    def send_error(self, message: str) -> None: ...
+
+
+class Forward(Protocol):
+    vocab_size: int
+    max_seq_len: int
+    num_slots: int
+
+    def forward(self, token_ids: list[int], decode_slots: list[int], decode_positions: list[int],
+                chunks: list[Chunk], logits_rows: list[int]) -> torch.Tensor: ...
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message goes back to the client as is."""
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    sink: ResponseSink
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    end_id: int | None = None
+    stop_words: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    slot: int
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the slot
+    cancelled: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt + self.output
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < len(self.request.prompt)
+
+
+class Scheduler:
+    def __init__(self, runner: Forward, max_num_tokens: int):
+        self.runner = runner
+        self.max_num_tokens = max(max_num_tokens, 1)
+        self.waiting: deque[GenerationRequest] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots: list[int] = list(range(runner.num_slots))
+        self._cancel_ids: set[str] = set()
+        self._seed_source = random.Random()
+        self.steps = 0
+        self.last_step_tokens = 0
+
+    # ----- admission -----------------------------------------------------------------------------
+    def validate(self, request: GenerationRequest) -> None:
+        prompt_len = len(request.prompt)
+        if prompt_len == 0:
+            raise RequestError("input_ids is empty: the prompt needs at least one token")
+        if request.max_new_tokens < 1:
+            raise RequestError(f"request_output_len must be at least 1, got {request.max_new_tokens}")
+        if prompt_len + request.max_new_tokens > self.runner.max_seq_len:
+            raise RequestError(
+                f"prompt length ({prompt_len}) + request_output_len ({request.max_new_tokens}) exceeds "
+                f"the engine's max_seq_len ({self.runner.max_seq_len})")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"input_ids holds token id {bad}, outside the vocabulary [0, {vocab})")
+        if request.end_id is not None and not 0 <= request.end_id < vocab:
+            request.end_id = None  # an out-of-vocabulary end_id can never be produced
+
+    def add(self, request: GenerationRequest) -> None:
+        """Queue a request; raises RequestError (before it takes anything) if it can never run."""
+        self.validate(request)
+        self.waiting.append(request)
+
+    def cancel(self, request_id: str) -> None:
+        """Mark a request to leave at the next step boundary, whether waiting or running."""
+        self._cancel_ids.add(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            request = self.waiting.popleft()
+            seed = request.sampling.seed
+            generator = None
+            if not request.sampling.greedy:
+                generator = torch.Generator().manual_seed(
+                    seed if seed is not None else self._seed_source.getrandbits(63))
+            self.running.append(Sequence(request, self.free_slots.pop(0), generator))
+
+    def _drop_cancelled(self) -> None:
+        if not self._cancel_ids:
+            return
+        ids = self._cancel_ids
+        kept_waiting = deque()
+        for request in self.waiting:
+            if request.request_id in ids:
+                request.sink.send([], [], FinishReason.CANCELLED)
+            else:
+                kept_waiting.append(request)
+        self.waiting = kept_waiting
+        for seq in self.running:
+            if seq.request.request_id in ids:
+                seq.cancelled = True
+        self._finish([s for s in self.running if s.cancelled], FinishReason.CANCELLED)
+        self._cancel_ids = set()
+
+    def _finish(self, sequences: list[Sequence], reason: FinishReason) -> None:
+        for seq in sequences:
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
+            self.free_slots.sort()
+            seq.request.sink.send([], [], reason)
+
+    # ----- one step --------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Admit, run one forward pass for every active sequence, sample, emit, retire."""
+        self._drop_cancelled()
+        self._admit()
+        if not self.running:
+            return
+        decode = [s for s in self.running if not s.in_prefill]
+        budget = self.max_num_tokens - len(decode)
+        token_ids = [s.tokens[-1] for s in decode]
+        decode_slots = [s.slot for s in decode]
+        decode_positions = [s.num_cached for s in decode]
+        chunks: list[Chunk] = []
+        chunk_seqs: list[Sequence] = []
+        for seq in self.running:
+            if not seq.in_prefill or budget <= 0:
+                continue
+            prompt = seq.request.prompt
+            length = min(budget, len(prompt) - seq.num_cached)
+            chunks.append(Chunk(seq.slot, seq.num_cached, length))
+            chunk_seqs.append(seq)
+            token_ids.extend(prompt[seq.num_cached:seq.num_cached + length])
+            budget -= length
+
+        # Rows whose last logit picks a token: every decode token, and each chunk that ends its prompt.
+        sampled: list[Sequence] = list(decode)
+        logits_rows = list(range(len(decode)))
+        row = len(decode)
+        for seq, chunk in zip(chunk_seqs, chunks):
+            row += chunk.length
+            if chunk.start + chunk.length == len(seq.request.prompt):
+                sampled.append(seq)
+                logits_rows.append(row - 1)
+
+        try:
+            logits = self.runner.forward(token_ids, decode_slots, decode_positions, chunks, logits_rows)
+            for seq in decode:
+                seq.num_cached += 1
+            for seq, chunk in zip(chunk_seqs, chunks):
+                seq.num_cached += chunk.length
+            if sampled:
+                tokens, logprobs = sample(logits, [self._sampling_row(s) for s in sampled])
+        except Exception as exc:  # a failed step must not take the engine down with it
+            for seq in list(self.running):
+                self.running.remove(seq)
+                self.free_slots.append(seq.slot)
+                seq.request.sink.send_error(f"engine step failed: {type(exc).__name__}: {exc}")
+            self.free_slots.sort()
+            return
+        self.steps += 1
+        self.last_step_tokens = len(token_ids)
+        if sampled:
+            self._emit(sampled, tokens, logprobs)
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        request = seq.request
+        banned: list[int] = []
+        if request.end_id is not None and len(seq.output) < request.sampling.min_tokens:
+            banned.append(request.end_id)
+        for word in request.sampling.bad_words:
+            if len(word) == 1 or (len(word) > 1 and seq.tokens[-(len(word) - 1):] == word[:-1]):
+                banned.append(word[-1])
+        return SamplingRow(request.sampling, seq.generator, request.prompt, seq.output, banned)
+
+    def _emit(self, sampled: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
+        for seq, token, logprob in zip(sampled, tokens, logprobs):
+            request = seq.request
+            if token == request.end_id:
+                self._finish([seq], FinishReason.END_ID)
+                continue
+            seq.output.append(token)
+            reason = None
+            if any(seq.output[-len(w):] == w for w in request.stop_words if w):
+                reason = FinishReason.STOP_WORDS
+            elif len(seq.output) >= request.max_new_tokens:
+                reason = FinishReason.LENGTH
+            if reason is None:
+                request.sink.send([token], [logprob], None)
+            else:
+                self.running.remove(seq)
+                self.free_slots.append(seq.slot)
+                self.free_slots.sort()
+                request.sink.send([token], [logprob], reason)
+
+
+_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    """An id for requests that arrive without one (raw Triton clients need not set it)."""
+    return f"anon-{next(_ids)}"

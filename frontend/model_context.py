@@ -1,0 +1,70 @@
+"""What the frontend must know about the served model, learned from Triton once it is reachable.
+
+Loaded lazily and retried on every request until it succeeds, so the frontend can start before Triton
+and recover if Triton was down at start; settings given explicitly always win over Triton's configs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from frontend.errors import service_unavailable
+from frontend.settings import Settings
+from frontend.tokenizer import Tokenizer
+from frontend.triton_engine import TritonEngine
+
+log = logging.getLogger("frontend")
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    served_model_name: str
+    context_length: int
+    tokenizer: Tokenizer
+
+
+class ModelContextLoader:
+    def __init__(self, settings: Settings, engine: TritonEngine):
+        self._settings = settings
+        self._engine = engine
+        self._context: ModelContext | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def loaded(self) -> ModelContext | None:
+        return self._context
+
+    async def get(self) -> ModelContext:
+        if self._context is not None:
+            return self._context
+        async with self._lock:
+            if self._context is None:
+                self._context = await self._load()
+                log.info("serving %s (context length %d)", self._context.served_model_name,
+                         self._context.context_length)
+        return self._context
+
+    async def _load(self) -> ModelContext:
+        s = self._settings
+        engine_params: dict[str, str] = {}
+        if s.served_model_name is None or s.context_length is None:
+            engine_params = await self._engine.model_parameters(s.engine_model)
+        tokenizer_dir = s.tokenizer_dir
+        if tokenizer_dir is None:
+            pre_params = await self._engine.model_parameters(s.preprocessing_model)
+            if not pre_params.get("tokenizer_dir"):
+                raise service_unavailable(
+                    f"Triton's {s.preprocessing_model!r} model does not name a tokenizer_dir; "
+                    "start the frontend with --tokenizer-dir")
+            tokenizer_dir = Path(pre_params["tokenizer_dir"])
+        context_length = s.context_length or int(engine_params.get("max_seq_len") or 0)
+        if context_length <= 0:
+            raise service_unavailable(
+                f"Triton's {s.engine_model!r} model does not give max_seq_len; start the frontend with "
+                "--context-length")
+        name = s.served_model_name or engine_params.get("served_model_name") or tokenizer_dir.name
+        tokenizer = await asyncio.to_thread(Tokenizer, tokenizer_dir, s.chat_template)
+        return ModelContext(name, context_length, tokenizer)

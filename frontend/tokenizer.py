@@ -1,0 +1,51 @@
+"""The checkpoint's own tokenizer and chat template, as the frontend uses them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.errors import invalid_request
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_dir: Path, chat_template: Path | None = None):
+        self._tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        if chat_template is not None:
+            self._tok.chat_template = Path(chat_template).read_text()
+        self.eos_token_id: int | None = self._tok.eos_token_id
+        pad = self._tok.pad_token_id
+        self.pad_token_id: int | None = pad if pad is not None else self.eos_token_id
+        self.vocab_size = len(self._tok)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._tok.chat_template)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not self.has_chat_template:
+            raise invalid_request(
+                "this model's tokenizer has no chat template, so /v1/chat/completions cannot format "
+                "messages; start the frontend with --chat-template FILE (a Jinja template), or use "
+                "/v1/completions with a plain prompt", param="messages", code="chat_template_missing")
+        try:
+            ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+        except Exception as exc:  # the template itself raised (e.g. roles it does not allow)
+            raise invalid_request(f"the chat template rejected these messages: {exc}",
+                                  param="messages") from exc
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.decode, prompt_tail=prompt_ids)

@@ -1,0 +1,183 @@
+"""The CPU engine without a server: the runner against Hugging Face, and the scheduler step by step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cpu_engine.config import EngineConfig
+from cpu_engine.runner import Chunk, LlamaRunner
+from cpu_engine.sampling import SamplingParams
+from cpu_engine.scheduler import FinishReason, GenerationRequest, RequestError, Scheduler
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         architectures=["LlamaForCausalLM"])
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def make_scheduler(checkpoint: Path, slots: int = 4, max_seq_len: int = 256,
+                   max_num_tokens: int = 64) -> Scheduler:
+    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=slots,
+                                      max_seq_len=max_seq_len, max_num_tokens=max_num_tokens))
+    return Scheduler(runner, max_num_tokens)
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: FinishReason | None = None
+        self.error: str | None = None
+
+    def send(self, tokens: list[int], logprobs: list[float], finish: FinishReason | None) -> None:
+        assert self.finish is None, "nothing may follow the final response"
+        self.tokens += tokens
+        self.logprobs += logprobs
+        self.finish = finish
+
+    def send_error(self, message: str) -> None:
+        self.error = message
+
+
+def request(rid: str, prompt: list[int], max_new: int, **kwargs) -> GenerationRequest:
+    return GenerationRequest(request_id=rid, prompt=prompt, max_new_tokens=max_new, sink=ListSink(), **kwargs)
+
+
+def run_until_done(scheduler: Scheduler, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
+        if not scheduler.has_work:
+            return
+        scheduler.step()
+    raise AssertionError("scheduler did not finish")
+
+
+def prompt_of(length: int, offset: int = 0) -> list[int]:
+    return [(7 * i + offset) % (VOCAB - 1) + 1 for i in range(length)]
+
+
+def test_runner_matches_hugging_face_forward(checkpoint: Path) -> None:
+    model = LlamaForCausalLM.from_pretrained(checkpoint)
+    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64))
+    prompt = prompt_of(9)
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0]
+    first = runner.forward(prompt[:4], [], [], [Chunk(1, 0, 4)], [0, 1, 2, 3])
+    second = runner.forward(prompt[4:], [], [], [Chunk(1, 4, 5)], [4])
+    torch.testing.assert_close(first, expected[:4], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(second[0], expected[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_alone_equals_greedy_in_a_full_batch(checkpoint: Path) -> None:
+    alone = make_scheduler(checkpoint)
+    target = request("target", prompt_of(11), 24)
+    alone.add(target)
+    run_until_done(alone)
+
+    batched = make_scheduler(checkpoint, max_num_tokens=16)  # forces chunked prefill too
+    others = [request(f"o{i}", prompt_of(5 + 9 * i, offset=i), 10 + 7 * i) for i in range(3)]
+    again = request("target", prompt_of(11), 24)
+    batched.add(others[0])
+    batched.step()
+    batched.step()  # the target joins a batch that is already decoding
+    batched.add(again)
+    for other in others[1:]:
+        batched.add(other)
+    run_until_done(batched)
+    assert len(target.sink.tokens) == 24 and target.sink.finish is FinishReason.LENGTH
+    assert again.sink.tokens == target.sink.tokens
+    assert all(o.sink.finish is FinishReason.LENGTH and len(o.sink.tokens) == o.max_new_tokens for o in others)
+
+
+def test_request_that_does_not_fit_waits_then_completes(checkpoint: Path) -> None:
+    scheduler = make_scheduler(checkpoint, slots=1)
+    first, second = request("a", prompt_of(5), 6), request("b", prompt_of(6), 4)
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.step()
+    assert len(scheduler.running) == 1 and list(scheduler.waiting) == [second]
+    run_until_done(scheduler)
+    assert len(first.sink.tokens) == 6 and len(second.sink.tokens) == 4
+    assert scheduler.free_slots == [0]
+
+
+def test_cancelled_request_frees_its_slot_for_the_next(checkpoint: Path) -> None:
+    scheduler = make_scheduler(checkpoint, slots=1)
+    long_one, waiting = request("long", prompt_of(5), 200), request("next", prompt_of(5), 3)
+    scheduler.add(long_one)
+    scheduler.add(waiting)
+    for _ in range(3):
+        scheduler.step()
+    assert scheduler.running[0].request is long_one and list(scheduler.waiting) == [waiting]
+    scheduler.cancel("long")
+    scheduler.step()
+    assert long_one.sink.finish is FinishReason.CANCELLED and len(long_one.sink.tokens) < 200
+    assert scheduler.running[0].request is waiting
+    run_until_done(scheduler)
+    assert waiting.sink.finish is FinishReason.LENGTH and len(waiting.sink.tokens) == 3
+
+
+def test_seeded_sampling_is_reproducible(checkpoint: Path) -> None:
+    def sample_with(seed: int) -> list[int]:
+        scheduler = make_scheduler(checkpoint)
+        params = SamplingParams(temperature=1.5, top_k=50, top_p=0.95, seed=seed)
+        req = request("s", prompt_of(4), 20, sampling=params)
+        scheduler.add(req)
+        scheduler.add(request("noise", prompt_of(9), 20, sampling=SamplingParams(temperature=1.0, top_p=0.9)))
+        run_until_done(scheduler)
+        return req.sink.tokens
+
+    assert sample_with(1234) == sample_with(1234)
+    assert sample_with(1234) != sample_with(4321)
+
+
+def test_end_id_stops_generation_without_emitting_it(checkpoint: Path) -> None:
+    scheduler = make_scheduler(checkpoint)
+    probe = request("p", prompt_of(8), 12)
+    scheduler.add(probe)
+    run_until_done(scheduler)
+    end_id = probe.sink.tokens[3]
+    expected = probe.sink.tokens[: probe.sink.tokens.index(end_id)]
+    stopped = request("e", prompt_of(8), 12, end_id=end_id)
+    scheduler.add(stopped)
+    run_until_done(scheduler)
+    assert stopped.sink.finish is FinishReason.END_ID
+    assert stopped.sink.tokens == expected
+
+
+def test_stop_words_end_generation(checkpoint: Path) -> None:
+    scheduler = make_scheduler(checkpoint)
+    probe = request("p", prompt_of(8), 12)
+    scheduler.add(probe)
+    run_until_done(scheduler)
+    word = probe.sink.tokens[4:6]
+    stopped = request("w", prompt_of(8), 12, stop_words=[word])
+    scheduler.add(stopped)
+    run_until_done(scheduler)
+    assert stopped.sink.finish is FinishReason.STOP_WORDS
+    assert stopped.sink.tokens[-2:] == word and len(stopped.sink.tokens) <= 6
+
+
+@pytest.mark.parametrize("prompt,max_new,message", [
+    ([], 4, "empty"),
+    ([1, 2, 3], 0, "at least 1"),
+    (list(range(1, 200)), 100, "max_seq_len"),
+    ([1, VOCAB + 5], 4, "outside the vocabulary"),
+])
+def test_requests_that_can_never_run_are_refused_before_taking_a_slot(
+        checkpoint: Path, prompt: list[int], max_new: int, message: str) -> None:
+    scheduler = make_scheduler(checkpoint)
+    with pytest.raises(RequestError, match=message):
+        scheduler.add(request("bad", prompt, max_new))
+    assert not scheduler.has_work and len(scheduler.free_slots) == 4
