@@ -1,0 +1,52 @@
+"""The values that fill the model repository templates for one engine.
+
+Static per-backend settings live in ``model_repository/values/<backend>.json`` beside the templates they
+fill; the values that depend on the build (paths, limits, name) are computed from the engine config.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from build_engine.errors import BuildError
+
+
+def static_values(template_dir: Path, backend: str) -> dict[str, str]:
+    """Load ``<template_dir>/values/<backend>.json``: a flat object of string values."""
+    path = Path(template_dir) / "values" / f"{backend}.json"
+    if not path.is_file():
+        raise BuildError(f"no template values for backend {backend!r}: {path} does not exist")
+    values = json.loads(path.read_text())
+    if not isinstance(values, dict):
+        raise BuildError(f"{path} must hold a JSON object of string values")
+    # Strings only: json's true/1 would render as Python's True/1 and not as the text Triton expects.
+    not_strings = sorted(key for key, value in values.items() if not isinstance(value, str))
+    if not_strings:
+        raise BuildError(f"{path}: values must be JSON strings (quote them): {', '.join(not_strings)}")
+    return values
+
+
+def engine_values(engine_config: Mapping[str, Any], engine_dir: Path) -> dict[str, str]:
+    """Template values that come from the engine just built."""
+    return {
+        "engine_dir": str(Path(engine_dir).resolve()),
+        "tokenizer_dir": str(Path(engine_config["checkpoint_dir"]).resolve()),
+        "triton_max_batch_size": str(engine_config["max_batch_size"]),
+        "max_seq_len": str(engine_config["max_seq_len"]),
+        "served_model_name": str(engine_config["served_model_name"]),
+    }
+
+
+def repository_values(
+    template_dir: Path, backend: str, engine_config: Mapping[str, Any], engine_dir: Path
+) -> dict[str, str]:
+    """All template values for ``backend``; a key set both statically and dynamically is a mistake."""
+    static = static_values(template_dir, backend)
+    dynamic = engine_values(engine_config, engine_dir)
+    clash = sorted(static.keys() & dynamic.keys())
+    if clash:
+        raise BuildError(f"values/{backend}.json sets keys the build computes: {', '.join(clash)}")
+    return {**static, **dynamic}
