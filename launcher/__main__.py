@@ -1,0 +1,249 @@
+"""`python -m launcher serve`: Triton + the OpenAI frontend as one foreground command.
+
+Starts tritonserver, waits until the engine model is ready, starts the frontend, waits until it answers,
+prints where to send requests, and then supervises both: Ctrl+C / SIGTERM stops the frontend first (so no
+request is accepted that Triton can no longer serve) and then Triton; if either dies, the other is
+stopped too and the exit code is 1. Nothing is left running on any path out (try/finally).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from launcher.ports import PortInUseError, check_ports_free
+from launcher.tritonserver import TritonNotFoundError, TritonServer, TritonStartError, terminate_group
+
+FRONTEND_READY_TIMEOUT_S = 120.0
+FRONTEND_STOP_GRACE_S = 10.0
+POLL_S = 0.5
+
+
+class LaunchError(RuntimeError):
+    """A failure worth one line to the user and exit code 1 (no traceback)."""
+
+
+class _Shutdown(BaseException):
+    """Raised from the signal handler so every wait unwinds through the finally blocks.
+
+    BaseException, like KeyboardInterrupt, so no `except Exception` on the way swallows it.
+    """
+
+
+@dataclass(frozen=True)
+class Config:
+    """Where everything listens; ports come from the same env vars the Makefile and compose file use."""
+
+    frontend_host: str
+    frontend_port: int
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    model_repository: Path
+    work_dir: Path
+    engine_model: str
+    triton_ready_timeout_s: float
+
+    @property
+    def triton_log(self) -> Path:
+        return self.work_dir / "logs" / "tritonserver.log"
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchError(f"{name}={raw!r} is not an integer") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise LaunchError(f"{name}={raw!r} is not a number") from None
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    return Config(
+        frontend_host=os.environ.get("FRONTEND_HOST") or "127.0.0.1",
+        frontend_port=_env_int("FRONTEND_PORT", 9000),
+        http_port=_env_int("TRITON_HTTP_PORT", 8000),
+        grpc_port=_env_int("TRITON_GRPC_PORT", 8001),
+        metrics_port=_env_int("TRITON_METRICS_PORT", 8002),
+        model_repository=Path(args.model_repository),
+        work_dir=Path(args.work_dir),
+        # The frontend reads ENGINE_MODEL too, so one variable renames the model for both.
+        engine_model=os.environ.get("ENGINE_MODEL") or "tensorrt_llm",
+        triton_ready_timeout_s=_env_float("TRITON_READY_TIMEOUT", 600.0),
+    )
+
+
+# ----- preflight ----------------------------------------------------------------------------------------
+def preflight(cfg: Config) -> None:
+    """Fail in a second, with the fix in the message, instead of after Triton has loaded for minutes."""
+    triton_ports = {"TRITON_HTTP_PORT": cfg.http_port, "TRITON_GRPC_PORT": cfg.grpc_port,
+                    "TRITON_METRICS_PORT": cfg.metrics_port}
+    all_ports = {"FRONTEND_PORT": cfg.frontend_port, **triton_ports}
+    if len(set(all_ports.values())) != len(all_ports):
+        raise LaunchError(f"two services share a port: {all_ports}; give each its own")
+    try:
+        check_ports_free({"FRONTEND_PORT": cfg.frontend_port}, host=cfg.frontend_host)
+        check_ports_free(triton_ports)
+    except PortInUseError as exc:
+        raise LaunchError(str(exc)) from None
+    except OSError as exc:  # e.g. FRONTEND_HOST is not an address of this machine
+        raise LaunchError(f"cannot bind FRONTEND_HOST={cfg.frontend_host!r}: {exc}") from None
+    if not cfg.model_repository.is_dir():
+        raise LaunchError(f"no model repository at {cfg.model_repository}; run `make engine` first")
+
+
+# ----- frontend -----------------------------------------------------------------------------------------
+def start_frontend(cfg: Config) -> subprocess.Popen[bytes]:
+    """Own process group (we decide when it stops); output inherited so its log shows on the console."""
+    env = {
+        **os.environ,
+        "FRONTEND_HOST": cfg.frontend_host,
+        "FRONTEND_PORT": str(cfg.frontend_port),
+        "TRITON_GRPC_URL": f"127.0.0.1:{cfg.grpc_port}",
+        "TRITON_HTTP_URL": f"127.0.0.1:{cfg.http_port}",
+        "ENGINE_MODEL": cfg.engine_model,
+    }
+    return subprocess.Popen([sys.executable, "-m", "frontend"], env=env, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _probe_host(host: str) -> str:
+    """A wildcard bind address is not something to connect to; loopback reaches it."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, b""
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def wait_frontend_ready(cfg: Config, frontend: subprocess.Popen[bytes], triton: TritonServer) -> None:
+    base = f"http://{_probe_host(cfg.frontend_host)}:{cfg.frontend_port}"
+    deadline = time.monotonic() + FRONTEND_READY_TIMEOUT_S
+    while True:
+        _check_alive(frontend, triton)
+        answer = _http_get(f"{base}/health/ready")
+        if answer is not None and answer[0] == 200:
+            return
+        if time.monotonic() >= deadline:
+            raise LaunchError(f"frontend not ready at {base}/health/ready after {FRONTEND_READY_TIMEOUT_S:.0f} s")
+        time.sleep(POLL_S)
+
+
+def served_model_id(cfg: Config) -> str:
+    """The id clients must send, as the frontend reports it (falls back to '?' rather than failing)."""
+    answer = _http_get(f"http://{_probe_host(cfg.frontend_host)}:{cfg.frontend_port}/v1/models", timeout_s=5)
+    if answer is None or answer[0] != 200:
+        return "?"
+    try:
+        return str(json.loads(answer[1])["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return "?"
+
+
+# ----- supervision --------------------------------------------------------------------------------------
+def _check_alive(frontend: subprocess.Popen[bytes] | None, triton: TritonServer) -> None:
+    code = triton.poll()
+    if code is not None:
+        raise LaunchError(f"tritonserver exited unexpectedly (code {code})\n{triton.log_tail()}")
+    if frontend is not None and frontend.poll() is not None:
+        raise LaunchError(f"frontend exited unexpectedly (code {frontend.returncode}); see its output above")
+
+
+def banner(cfg: Config, model_id: str) -> str:
+    # Print an address one can connect to; a wildcard bind is reachable on loopback.
+    url = f"http://{_probe_host(cfg.frontend_host)}:{cfg.frontend_port}/v1"
+    where = url if _probe_host(cfg.frontend_host) == cfg.frontend_host else f"{url} (bound to {cfg.frontend_host})"
+    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    return (
+        f"Serving {model_id} at {where}  (Triton gRPC 127.0.0.1:{cfg.grpc_port}, HTTP :{cfg.http_port}, "
+        f"metrics :{cfg.metrics_port}; Triton log: {cfg.triton_log})\n"
+        f"Try: curl {url}/chat/completions -H 'Content-Type: application/json' -d '{body}'\n"
+        f"Press Ctrl+C to stop."
+    )
+
+
+def _raise_shutdown(signum: int, _frame: FrameType | None) -> None:
+    raise _Shutdown(signum)
+
+
+def serve(cfg: Config) -> int:
+    preflight(cfg)
+    triton = TritonServer(cfg.model_repository, cfg.http_port, cfg.grpc_port, cfg.metrics_port,
+                          log_file=cfg.triton_log, work_dir=cfg.work_dir, model_name=cfg.engine_model)
+    frontend: subprocess.Popen[bytes] | None = None
+    try:
+        print(f"Starting tritonserver (log: {cfg.triton_log}) ...", flush=True)
+        triton.start()
+        took = triton.wait_ready(cfg.triton_ready_timeout_s)
+        print(f"Triton ready in {took:.1f} s; starting the frontend ...", flush=True)
+        frontend = start_frontend(cfg)
+        wait_frontend_ready(cfg, frontend, triton)
+        print(banner(cfg, served_model_id(cfg)), flush=True)
+        while True:
+            _check_alive(frontend, triton)
+            time.sleep(POLL_S)
+    except _Shutdown:
+        print("Shutting down ...", flush=True)
+        return 0
+    finally:
+        # No second signal may interrupt the cleanup; it is bounded by the grace periods anyway.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        if frontend is not None:
+            terminate_group(frontend, FRONTEND_STOP_GRACE_S)
+        triton.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m launcher", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_p = sub.add_parser("serve", help="run Triton and the OpenAI frontend until Ctrl+C")
+    serve_p.add_argument("--model-repository", default="build/model_repository",
+                         help="rendered Triton model repository (default: %(default)s)")
+    serve_p.add_argument("--work-dir", default="build",
+                         help="where logs and the assembled backend dir go (default: %(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_shutdown)
+    try:
+        return serve(load_config(args))
+    except (LaunchError, TritonStartError, TritonNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except _Shutdown:  # a signal before serve() entered its try block
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
