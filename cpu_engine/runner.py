@@ -113,10 +113,14 @@ class LlamaRunner:
 
         decode_mask = None
         if num_decode:
-            dec_slots = slots[:num_decode]
             dec_len = pos[:num_decode] + 1
             max_len = int(dec_len.max())
             decode_mask = (torch.arange(max_len)[None, :] < dec_len[:, None])[:, None, None, :]
+            # Slots in one contiguous run (the usual case: the scheduler hands out the lowest free slots
+            # and orders decodes by slot) are read as a view instead of gathered, layer after layer.
+            first = decode_slots[0]
+            contiguous = decode_slots == list(range(first, first + num_decode))
+            dec_rows = slice(first, first + num_decode) if contiguous else slots[:num_decode]
 
         for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -134,8 +138,8 @@ class LlamaRunner:
 
             outputs = []
             if num_decode:
-                keys = k_cache[dec_slots, :, :max_len]  # [B, kv_heads, L, head_dim]
-                values = v_cache[dec_slots, :, :max_len]
+                keys = k_cache[dec_rows, :, :max_len]  # [B, kv_heads, L, head_dim]
+                values = v_cache[dec_rows, :, :max_len]
                 out = F.scaled_dot_product_attention(
                     q[:num_decode, :, None, :], keys, values, attn_mask=decode_mask,
                     scale=self.scale, enable_gqa=True)

@@ -164,7 +164,7 @@ class Scheduler:
         self._admit()
         if not self.running:
             return
-        decode = [s for s in self.running if not s.in_prefill]
+        decode = sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.slot)
         budget = self.max_num_tokens - len(decode)
         token_ids = [s.tokens[-1] for s in decode]
         decode_slots = [s.slot for s in decode]
