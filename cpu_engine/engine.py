@@ -18,7 +18,7 @@ import torch
 
 from cpu_engine.config import EngineConfig
 from cpu_engine.runner import LlamaRunner
-from cpu_engine.scheduler import GenerationRequest, Scheduler
+from cpu_engine.scheduler import EngineStats, GenerationRequest, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,13 @@ def configure_threads(num_threads: int) -> int:
 
 class Engine:
     def __init__(self, scheduler: Scheduler, is_cancelled: Callable[[GenerationRequest], bool] | None = None,
-                 cancel_poll_s: float = 0.02):
+                 cancel_poll_s: float = 0.02, on_stats: Callable[[EngineStats], None] | None = None,
+                 stats_period_s: float = 0.1):
         self.scheduler = scheduler
         self._is_cancelled = is_cancelled
         self._cancel_poll_s = cancel_poll_s
+        self._on_stats = on_stats
+        self._stats_period_s = stats_period_s
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
@@ -84,12 +87,20 @@ class Engine:
             if self._is_cancelled(request):
                 self.scheduler.cancel(request.request_id)
 
+    def _publish_stats(self) -> None:
+        if self._on_stats is not None:
+            try:
+                self._on_stats(self.scheduler.stats())
+            except Exception:  # metrics must never stop the engine
+                log.exception("publishing engine stats failed")
+
     def _loop(self) -> None:
-        last_poll = 0.0
+        last_poll = last_stats = 0.0
         with torch.inference_mode():
             while not self._stopped.is_set():
                 self._drain_inbox()
                 if not self.scheduler.has_work:
+                    self._publish_stats()  # idle: report the empty engine at once
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
@@ -101,3 +112,6 @@ class Engine:
                     self.scheduler.step()
                 except Exception:  # keep serving; the scheduler already failed the step's requests
                     log.exception("engine step failed")
+                if now - last_stats >= self._stats_period_s:
+                    self._publish_stats()
+                    last_stats = now

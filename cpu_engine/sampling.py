@@ -26,6 +26,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     bad_words: list[list[int]] = field(default_factory=list)
+    top_logprobs: int = 0  # how many most likely alternatives to report with each token
 
     @property
     def greedy(self) -> bool:
@@ -35,6 +36,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely (token, logprob) pairs, if asked for
 
 
 @dataclass
@@ -75,8 +83,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[float]]:
-    """Pick one token per row of `logits` [B, vocab]; return the tokens and their log-probabilities.
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    """Pick one token per row of `logits` [B, vocab], with its log-probability (and alternatives).
 
     Log-probabilities are under the model's own distribution (before penalties, temperature and
     filtering), which is what OpenAI's `logprobs` report.
@@ -102,5 +110,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
                                          row.params.top_p)
         probs = torch.softmax(row_logits, dim=-1)
         tokens[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), chosen.tolist()
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    results = []
+    for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
+        top: list[tuple[int, float]] = []
+        if row.params.top_logprobs > 0:
+            values, ids = torch.topk(logprobs[i], row.params.top_logprobs)
+            top = list(zip(ids.tolist(), values.tolist()))
+        results.append(SampledToken(token, chosen[i], top))
+    return results

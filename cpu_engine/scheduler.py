@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from cpu_engine.runner import Chunk
-from cpu_engine.sampling import SamplingParams, SamplingRow, sample
+from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
 
 
 class FinishReason(str, enum.Enum):
@@ -33,7 +33,7 @@ class FinishReason(str, enum.Enum):
 class ResponseSink(Protocol):
     """Where a sequence's results go (a Triton response sender in production, a list in tests)."""
 
-    def send(self, tokens: list[int], logprobs: list[float], finish: FinishReason | None) -> None: ...
+    def send(self, tokens: list[SampledToken], finish: FinishReason | None) -> None: ...
 
     def send_error(self, message: str) -> None: ...
 
@@ -80,6 +80,21 @@ class Sequence:
         return self.num_cached < len(self.request.prompt)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """What a user watching the engine wants to know (exported as Triton custom metrics)."""
+
+    active_slots: int
+    max_slots: int
+    queued_requests: int
+    kv_cache_used_tokens: int
+    kv_cache_capacity_tokens: int
+    last_step_tokens: int
+    steps_total: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+
+
 class Scheduler:
     def __init__(self, runner: Forward, max_num_tokens: int):
         self.runner = runner
@@ -91,6 +106,8 @@ class Scheduler:
         self._seed_source = random.Random()
         self.steps = 0
         self.last_step_tokens = 0
+        self.prompt_tokens_total = 0
+        self.generated_tokens_total = 0
 
     # ----- admission -----------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
@@ -119,6 +136,19 @@ class Scheduler:
         """Mark a request to leave at the next step boundary, whether waiting or running."""
         self._cancel_ids.add(request_id)
 
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            active_slots=len(self.running),
+            max_slots=self.runner.num_slots,
+            queued_requests=len(self.waiting),
+            kv_cache_used_tokens=sum(s.num_cached for s in self.running),
+            kv_cache_capacity_tokens=self.runner.num_slots * self.runner.max_seq_len,
+            last_step_tokens=self.last_step_tokens,
+            steps_total=self.steps,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generated_tokens_total=self.generated_tokens_total,
+        )
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -140,7 +170,7 @@ class Scheduler:
         kept_waiting = deque()
         for request in self.waiting:
             if request.request_id in ids:
-                request.sink.send([], [], FinishReason.CANCELLED)
+                request.sink.send([], FinishReason.CANCELLED)
             else:
                 kept_waiting.append(request)
         self.waiting = kept_waiting
@@ -150,12 +180,16 @@ class Scheduler:
         self._finish([s for s in self.running if s.cancelled], FinishReason.CANCELLED)
         self._cancel_ids = set()
 
+    def _release(self, seq: Sequence) -> None:
+        """Take a sequence out of the batch; its slot goes back to the pool (lowest first)."""
+        self.running.remove(seq)
+        self.free_slots.append(seq.slot)
+        self.free_slots.sort()
+
     def _finish(self, sequences: list[Sequence], reason: FinishReason) -> None:
         for seq in sequences:
-            self.running.remove(seq)
-            self.free_slots.append(seq.slot)
-            self.free_slots.sort()
-            seq.request.sink.send([], [], reason)
+            self._release(seq)
+            seq.request.sink.send([], reason)
 
     # ----- one step --------------------------------------------------------------------------------
     def step(self) -> None:
@@ -198,18 +232,18 @@ class Scheduler:
             for seq, chunk in zip(chunk_seqs, chunks):
                 seq.num_cached += chunk.length
             if sampled:
-                tokens, logprobs = sample(logits, [self._sampling_row(s) for s in sampled])
+                results = sample(logits, [self._sampling_row(s) for s in sampled])
         except Exception as exc:  # a failed step must not take the engine down with it
             for seq in list(self.running):
-                self.running.remove(seq)
-                self.free_slots.append(seq.slot)
+                self._release(seq)
                 seq.request.sink.send_error(f"engine step failed: {type(exc).__name__}: {exc}")
-            self.free_slots.sort()
             return
         self.steps += 1
         self.last_step_tokens = len(token_ids)
+        self.prompt_tokens_total += sum(chunk.length for chunk in chunks)
+        self.generated_tokens_total += len(sampled)
         if sampled:
-            self._emit(sampled, tokens, logprobs)
+            self._emit(sampled, results)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         request = seq.request
@@ -221,25 +255,21 @@ class Scheduler:
                 banned.append(word[-1])
         return SamplingRow(request.sampling, seq.generator, request.prompt, seq.output, banned)
 
-    def _emit(self, sampled: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
-        for seq, token, logprob in zip(sampled, tokens, logprobs):
+    def _emit(self, sampled: list[Sequence], results: list[SampledToken]) -> None:
+        for seq, result in zip(sampled, results):
             request = seq.request
-            if token == request.end_id:
+            if result.token == request.end_id:
                 self._finish([seq], FinishReason.END_ID)
                 continue
-            seq.output.append(token)
+            seq.output.append(result.token)
             reason = None
             if any(seq.output[-len(w):] == w for w in request.stop_words if w):
                 reason = FinishReason.STOP_WORDS
             elif len(seq.output) >= request.max_new_tokens:
                 reason = FinishReason.LENGTH
-            if reason is None:
-                request.sink.send([token], [logprob], None)
-            else:
-                self.running.remove(seq)
-                self.free_slots.append(seq.slot)
-                self.free_slots.sort()
-                request.sink.send([token], [logprob], reason)
+            if reason is not None:
+                self._release(seq)
+            request.sink.send([result], reason)
 
 
 _ids = itertools.count()

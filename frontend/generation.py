@@ -1,25 +1,35 @@
 """From prompt ids to text deltas: the one code path behind chat and completions, streamed or not.
 
 Streaming and non-streaming responses are both built from the deltas this yields, so the streamed
-pieces joined are exactly the non-streamed text, by construction.
+pieces joined are exactly the non-streamed text, by construction. Each choice (`n`, several prompts) is
+its own engine request; `merge_choices` interleaves them for one SSE stream.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from frontend.errors import invalid_request
+from frontend.schemas import SamplingFields
 from frontend.stop_strings import StopStringMatcher
 from frontend.tokenizer import Tokenizer
 from frontend.triton_engine import SamplingOptions, TritonEngine
-from frontend.schemas import SamplingFields
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
 class TextDelta:
     text: str
     finish_reason: str | None = None  # set on the last delta only
+    tokens: list[TokenInfo] = field(default_factory=list)  # the tokens whose text this delta completes
 
 
 @dataclass
@@ -30,6 +40,15 @@ class UsageCounter:
     def as_dict(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+@dataclass(frozen=True)
+class ChoiceJob:
+    """One engine request: a prompt, its sampling options and its `index` among the choices."""
+
+    index: int
+    prompt_ids: list[int]
+    options: SamplingOptions
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, context_length: int) -> int:
@@ -50,43 +69,100 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, context_length: i
     return requested
 
 
-def sampling_options(req: SamplingFields, max_tokens: int, tokenizer: Tokenizer) -> SamplingOptions:
-    return SamplingOptions(
-        max_tokens=max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
-        min_tokens=min(req.min_tokens, max_tokens),
-        # ignore_eos: an end id no token can have, so generation runs to max_tokens
-        end_id=tokenizer.vocab_size if req.ignore_eos else tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-    )
+def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: int, tokenizer: Tokenizer,
+                top_logprobs: int) -> list[ChoiceJob]:
+    """`n` jobs per prompt, indexed prompt-major as OpenAI does. With a seed, choice j uses seed + j so
+    that the n choices differ yet the request stays reproducible."""
+    jobs = []
+    for p, prompt_ids in enumerate(prompts):
+        max_tokens = resolve_max_tokens(len(prompt_ids), req.requested_max_tokens, context_length)
+        base = SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_tokens=min(req.min_tokens, max_tokens),
+            # ignore_eos: an end id no token can have, so generation runs to max_tokens
+            end_id=tokenizer.vocab_size if req.ignore_eos else tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+            top_logprobs=top_logprobs,
+        )
+        for j in range(req.n):
+            seed = None if req.seed is None else (req.seed + j) % 2**63
+            jobs.append(ChoiceJob(p * req.n + j, prompt_ids, replace(base, seed=seed)))
+    return jobs
 
 
-async def generate_text(engine: TritonEngine, tokenizer: Tokenizer, request_id: str,
-                        prompt_ids: list[int], options: SamplingOptions, stop: list[str],
-                        usage: UsageCounter, streaming: bool) -> AsyncIterator[TextDelta]:
+async def generate_text(engine: TritonEngine, tokenizer: Tokenizer, request_id: str, job: ChoiceJob,
+                        stop: list[str], usage: UsageCounter, streaming: bool) -> AsyncIterator[TextDelta]:
     """Yield text deltas (never empty, never part of a stop string), the last with its finish reason."""
-    detok = tokenizer.detokenizer(prompt_ids)
+    detok = tokenizer.detokenizer(job.prompt_ids)
     matcher = StopStringMatcher(stop)
-    chunks = engine.generate(request_id, prompt_ids, options, streaming)
+    pending: list[TokenInfo] = []
+    generated = 0
+    chunks = engine.generate(request_id, job.prompt_ids, job.options, streaming)
     try:
         async for chunk in chunks:
+            generated += len(chunk.token_ids)
             usage.completion_tokens += len(chunk.token_ids)
+            pending += [TokenInfo(t, lp, top) for t, lp, top in zip(chunk.token_ids, chunk.logprobs, chunk.top)]
             text, stopped = matcher.feed(detok.add(chunk.token_ids))
             if stopped:
-                yield TextDelta(text, "stop")
+                yield TextDelta(text, "stop", pending)
                 return
             if text:
-                yield TextDelta(text)
+                yield TextDelta(text, None, pending)
+                pending = []
     finally:
         await chunks.aclose()  # cancels the Triton request if it is still running
     text, stopped = matcher.feed(detok.flush())
     if not stopped:
         text += matcher.flush()
-    finish = "length" if usage.completion_tokens >= options.max_tokens and not stopped else "stop"
-    yield TextDelta(text, finish)
+    finish = "length" if generated >= job.options.max_tokens and not stopped else "stop"
+    yield TextDelta(text, finish, pending)
+
+
+_END = object()
+
+
+async def merge_choices(streams: dict[int, AsyncIterator[TextDelta]]) -> AsyncIterator[tuple[int, TextDelta]]:
+    """Interleave several choices' deltas as they come. Closing this closes (and cancels) them all."""
+    if len(streams) == 1:  # the common case needs no tasks
+        (index, stream), = streams.items()
+        try:
+            async for delta in stream:
+                yield index, delta
+        finally:
+            await stream.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[TextDelta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+            await queue.put((index, _END))
+        except Exception as exc:  # handed to the consumer, which raises it
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in streams.items()]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams.values():
+            await stream.aclose()

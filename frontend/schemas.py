@@ -30,12 +30,18 @@ class ChatMessage(RequestModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def as_template_input(self) -> dict[str, str]:
+        """The message as chat templates expect it: content flattened to one string."""
         if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+            content = ""
+        elif isinstance(self.content, str):
+            content = self.content
+        else:
+            content = "".join(part.text for part in self.content)
+        message = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class StreamOptions(RequestModel):
@@ -74,8 +80,6 @@ class SamplingFields(RequestModel):
     def _supported(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
-        if self.n != 1:
-            raise invalid_request("only n=1 is supported", "n")
         return self
 
     @property
@@ -93,52 +97,78 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     response_format: dict | None = None
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self) -> "ChatCompletionRequest":
-        if self.logprobs or self.top_logprobs:
-            raise invalid_request("logprobs are not supported yet", "logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.tools:
-            raise invalid_request("tools are not supported by this server", "tools")
+            raise invalid_request("tools are not supported: this server does not parse tool calls", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise invalid_request("tool_choice is not supported: this server does not parse tool calls",
+                                  "tool_choice")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid_request("only response_format type 'text' is supported", "response_format")
+            raise invalid_request("only response_format type 'text' is supported (no guided decoding)",
+                                  "response_format")
+        if self.logit_bias:
+            raise invalid_request("logit_bias is not supported", "logit_bias")
         return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def num_top_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
+
+Prompt = str | list[int]
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _completion_supported(self) -> "CompletionRequest":
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) != 1:
-                raise invalid_request("only one prompt per request is supported", "prompt")
-        if isinstance(self.prompt, (str, list)) and len(self.prompt) == 0:
+        if not self.prompts or any(len(p) == 0 for p in self.prompts):
             raise invalid_request("prompt must not be empty", "prompt")
-        if self.echo:
-            raise invalid_request("echo is not supported", "echo")
         if self.suffix:
-            raise invalid_request("suffix is not supported by this model", "suffix")
-        if self.logprobs:
-            raise invalid_request("logprobs are not supported yet", "logprobs")
-        if self.best_of not in (None, 1):
-            raise invalid_request("best_of is not supported", "best_of")
+            raise invalid_request("suffix is not supported: the model has no fill-in-the-middle mode", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise invalid_request("echo together with logprobs is not supported", "echo")
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            raise invalid_request("best_of is not supported (use n)", "best_of")
+        if self.logit_bias:
+            raise invalid_request("logit_bias is not supported", "logit_bias")
         return self
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The prompt field's four shapes, as a list of prompts (text or token ids)."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
 
 
 # ----- responses ---------------------------------------------------------------------------------------
@@ -159,7 +189,7 @@ class ResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: FinishReason
 
 
@@ -188,7 +218,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -205,7 +235,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -225,6 +255,25 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tritonllm"
     max_model_len: int
+
+
+class TokenizeRequest(RequestModel):
+    """vLLM-style helper: either a prompt or chat messages (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid_request("give exactly one of prompt or messages", "prompt")
+        return self
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 class ModelList(BaseModel):

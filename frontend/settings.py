@@ -26,6 +26,7 @@ class Settings(BaseSettings):
     tokenizer_dir: Path | None = Field(None, description="Hugging Face tokenizer dir; default: from Triton")
     context_length: int | None = Field(None, description="max prompt + completion tokens; default: from Triton")
     chat_template: Path | None = Field(None, description="Jinja chat template file overriding the tokenizer's")
+    max_n: int = Field(8, description="largest n (choices per request) accepted")
     triton_timeout_s: float = Field(5.0, description="timeout for Triton metadata calls (not for generation)")
     log_prompts: bool = Field(False, description="log prompt and completion text (debugging only)")
     log_level: str = Field("info", description="uvicorn/app log level")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,11 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (special tokens included), for logprobs."""
+        return self._tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if not self.has_chat_template:

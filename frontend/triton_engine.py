@@ -36,12 +36,14 @@ class SamplingOptions:
     min_tokens: int = 0
     end_id: int | None = None
     pad_id: int | None = None
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
 class TokenChunk:
     token_ids: list[int]
     logprobs: list[float]
+    top: list[list[tuple[int, float]]]  # per token, the most likely alternatives (if asked for)
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,18 @@ def build_inputs(prompt_ids: list[int], options: SamplingOptions, streaming: boo
         inputs.append(scalar("end_id", options.end_id, np.int32, "INT32"))
     if options.pad_id is not None:
         inputs.append(scalar("pad_id", options.pad_id, np.int32, "INT32"))
+    if options.top_logprobs:
+        inputs.append(scalar("top_logprobs", options.top_logprobs, np.int32, "INT32"))
     return inputs
+
+
+def _top_alternatives(result: grpcclient.InferResult, count: int) -> list[list[tuple[int, float]]]:
+    ids = result.as_numpy("output_top_log_prob_ids")
+    values = result.as_numpy("output_top_log_probs")
+    if ids is None or values is None:
+        return [[] for _ in range(count)]
+    ids, values = ids.reshape(count, -1).tolist(), values.reshape(count, -1).tolist()
+    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]
 
 
 class TritonEngine:
@@ -129,11 +142,13 @@ class TritonEngine:
                        streaming: bool) -> AsyncIterator[TokenChunk]:
         """Yield the engine's token chunks until the request ends. Closing the iterator early (or
         cancelling the task that runs it) cancels the request in Triton."""
+        outputs = ["output_ids", "output_log_probs"]
+        if options.top_logprobs:
+            outputs += ["output_top_log_prob_ids", "output_top_log_probs"]
         request = {
             "model_name": self.engine_model,
             "inputs": build_inputs(prompt_ids, options, streaming),
-            "outputs": [grpcclient.InferRequestedOutput("output_ids"),
-                        grpcclient.InferRequestedOutput("output_log_probs")],
+            "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs],
             "request_id": request_id,
         }
 
@@ -152,9 +167,11 @@ class TritonEngine:
                 ids = result.as_numpy("output_ids")
                 if ids is None or ids.size == 0:
                     continue
+                token_ids = ids.reshape(-1).tolist()
                 logprobs = result.as_numpy("output_log_probs")
-                yield TokenChunk(ids.reshape(-1).tolist(),
-                                 logprobs.reshape(-1).tolist() if logprobs is not None else [])
+                yield TokenChunk(token_ids,
+                                 logprobs.reshape(-1).tolist() if logprobs is not None else [],
+                                 _top_alternatives(result, len(token_ids)))
             finished = True
         except OpenAIError:
             raise

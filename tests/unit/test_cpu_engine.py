@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cpu_engine.config import EngineConfig
 from cpu_engine.runner import Chunk, LlamaRunner
-from cpu_engine.sampling import SamplingParams
+from cpu_engine.sampling import SampledToken, SamplingParams
 from cpu_engine.scheduler import FinishReason, GenerationRequest, RequestError, Scheduler
 
 VOCAB = 512
@@ -38,13 +38,15 @@ class ListSink:
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
         self.finish: FinishReason | None = None
         self.error: str | None = None
 
-    def send(self, tokens: list[int], logprobs: list[float], finish: FinishReason | None) -> None:
+    def send(self, tokens: list[SampledToken], finish: FinishReason | None) -> None:
         assert self.finish is None, "nothing may follow the final response"
-        self.tokens += tokens
-        self.logprobs += logprobs
+        self.tokens += [t.token for t in tokens]
+        self.logprobs += [t.logprob for t in tokens]
+        self.top += [t.top for t in tokens]
         self.finish = finish
 
     def send_error(self, message: str) -> None:
@@ -181,3 +183,18 @@ def test_requests_that_can_never_run_are_refused_before_taking_a_slot(
     with pytest.raises(RequestError, match=message):
         scheduler.add(request("bad", prompt, max_new))
     assert not scheduler.has_work and len(scheduler.free_slots) == 4
+
+
+def test_logprobs_are_the_models_own_and_top_alternatives_are_sorted(checkpoint: Path) -> None:
+    scheduler = make_scheduler(checkpoint)
+    req = request("lp", prompt_of(6), 5, sampling=SamplingParams(top_k=1, top_logprobs=3))
+    scheduler.add(req)
+    run_until_done(scheduler)
+    model = LlamaForCausalLM.from_pretrained(checkpoint)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_of(6) + req.sink.tokens])).logits[0, 5:-1]
+    expected = torch.log_softmax(logits, dim=-1)
+    for step, (token, logprob, top) in enumerate(zip(req.sink.tokens, req.sink.logprobs, req.sink.top)):
+        assert abs(logprob - expected[step, token].item()) < 1e-4
+        assert [t for t, _ in top] == torch.topk(expected[step], 3).indices.tolist()
+        assert top[0][0] == token  # greedy picks the most likely token

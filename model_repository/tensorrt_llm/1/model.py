@@ -16,8 +16,8 @@ import triton_python_backend_utils as pb_utils
 
 from cpu_engine.config import EngineConfig
 from cpu_engine.engine import Engine
-from cpu_engine.sampling import SamplingParams
-from cpu_engine.scheduler import FinishReason, GenerationRequest, RequestError, new_request_id
+from cpu_engine.sampling import SampledToken, SamplingParams
+from cpu_engine.scheduler import EngineStats, FinishReason, GenerationRequest, RequestError, new_request_id
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -53,43 +53,87 @@ def _param(config: dict, key: str, default: str) -> str:
 class TritonSink:
     """Turns the scheduler's per-token results into Triton responses for one request."""
 
-    def __init__(self, sender, streaming: bool, prompt: list[int], exclude_input: bool):
+    def __init__(self, sender, streaming: bool, prompt: list[int], exclude_input: bool, top_logprobs: int):
         self.sender = sender
         self.streaming = streaming
         self.prefix = [] if exclude_input else list(prompt)
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
+        self.top_logprobs = top_logprobs
+        self.pending: list[SampledToken] = []
         self.cum_logprob = 0.0
 
-    def _response(self, tokens: list[int], logprobs: list[float]):
-        ids = np.asarray(tokens, dtype=np.int32).reshape(1, 1, -1)
+    def _response(self, prefix: list[int], tokens: list[SampledToken]):
+        ids = prefix + [t.token for t in tokens]
+        logprobs = [0.0] * len(prefix) + [t.logprob for t in tokens]
         outputs = [
-            pb_utils.Tensor("output_ids", ids),
-            pb_utils.Tensor("sequence_length", np.asarray([[len(tokens)]], dtype=np.int32)),
+            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
+            pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)),
             pb_utils.Tensor("cum_log_probs", np.asarray([[self.cum_logprob]], dtype=np.float32)),
             pb_utils.Tensor("output_log_probs", np.asarray(logprobs, dtype=np.float32).reshape(1, 1, -1)),
         ]
+        if self.top_logprobs:
+            k = self.top_logprobs
+            top_ids = np.zeros((1, len(tokens), k), dtype=np.int32)
+            top_values = np.full((1, len(tokens), k), -np.inf, dtype=np.float32)
+            for row, token in enumerate(tokens):
+                for col, (alt, value) in enumerate(token.top[:k]):
+                    top_ids[0, row, col], top_values[0, row, col] = alt, value
+            outputs += [pb_utils.Tensor("output_top_log_prob_ids", top_ids),
+                        pb_utils.Tensor("output_top_log_probs", top_values)]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
-    def send(self, tokens: list[int], logprobs: list[float], finish: FinishReason | None) -> None:
-        self.cum_logprob += float(sum(logprobs))
-        flags = FINAL if finish is not None else 0
-        if self.streaming:
-            first = self.prefix
-            self.prefix = []
-            if tokens or first:
-                self.sender.send(self._response(first + tokens, [0.0] * len(first) + logprobs), flags=flags)
-            elif finish is not None:
-                self.sender.send(flags=FINAL)
+    def send(self, tokens: list[SampledToken], finish: FinishReason | None) -> None:
+        self.cum_logprob += sum(t.logprob for t in tokens)
+        self.pending.extend(tokens)
+        if not self.streaming and finish is None:
             return
-        self.tokens.extend(tokens)
-        self.logprobs.extend(logprobs)
-        if finish is not None:
-            self.sender.send(self._response(self.prefix + self.tokens,
-                                            [0.0] * len(self.prefix) + self.logprobs), flags=FINAL)
+        flags = FINAL if finish is not None else 0
+        if self.pending or self.prefix:
+            self.sender.send(self._response(self.prefix, self.pending), flags=flags)
+        elif finish is not None:
+            self.sender.send(flags=FINAL)
+        self.prefix, self.pending = [], []
 
     def send_error(self, message: str) -> None:
         self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+
+
+class EngineMetrics:
+    """The engine's state as Triton custom metrics, served on Triton's metrics port next to nv_*."""
+
+    GAUGES = {
+        "active_slots": "KV-cache slots held by running requests",
+        "max_slots": "KV-cache slots in the engine (max_batch_size)",
+        "queued_requests": "requests waiting for a slot",
+        "kv_cache_used_tokens": "tokens held in the KV cache",
+        "kv_cache_capacity_tokens": "tokens the KV cache can hold (slots x max_seq_len)",
+        "last_step_tokens": "tokens in the most recent engine step (decode tokens + prompt chunks)",
+    }
+    COUNTERS = {
+        "steps_total": "engine steps run",
+        "prompt_tokens_total": "prompt tokens prefilled",
+        "generated_tokens_total": "tokens generated",
+    }
+
+    def __init__(self, model_name: str):
+        labels = {"model": model_name}
+        self._gauges = {
+            field: pb_utils.MetricFamily(name=f"cpu_engine_{field}", description=text,
+                                         kind=pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+            for field, text in self.GAUGES.items()}
+        self._counters = {
+            field: pb_utils.MetricFamily(name=f"cpu_engine_{field}", description=text,
+                                         kind=pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
+            for field, text in self.COUNTERS.items()}
+        self._counted = dict.fromkeys(self.COUNTERS, 0)
+
+    def publish(self, stats: EngineStats) -> None:
+        for field, metric in self._gauges.items():
+            metric.set(float(getattr(stats, field)))
+        for field, metric in self._counters.items():
+            value = getattr(stats, field)
+            if value > self._counted[field]:
+                metric.increment(float(value - self._counted[field]))
+                self._counted[field] = value
 
 
 class TritonPythonModel:
@@ -102,8 +146,10 @@ class TritonPythonModel:
         self.exclude_input_default = _param(config, "exclude_input_in_output", "false").lower() == "true"
         engine_config = EngineConfig.from_engine_dir(
             engine_dir, num_threads=int(_param(config, "cpu_num_threads", "0") or 0))
+        self.metrics = EngineMetrics(args["model_name"])
         self.engine = Engine.from_config(
-            engine_config, is_cancelled=lambda request: request.sink.sender.is_cancelled())
+            engine_config, is_cancelled=lambda request: request.sink.sender.is_cancelled(),
+            on_stats=self.metrics.publish)
         self.engine.start()
 
     def execute(self, requests):
@@ -136,6 +182,7 @@ class TritonPythonModel:
         streaming = bool(_scalar(request, "streaming", False))
         exclude = bool(_scalar(request, "exclude_input_in_output", self.exclude_input_default))
         end_id = _scalar(request, "end_id")
+        top_logprobs = max(0, min(int(_scalar(request, "top_logprobs", 0)), 20))
         seed = _scalar(request, "seed")
         sampling = SamplingParams(
             temperature=float(_scalar(request, "temperature", 1.0)),
@@ -147,12 +194,13 @@ class TritonPythonModel:
             frequency_penalty=float(_scalar(request, "frequency_penalty", 0.0)),
             min_tokens=int(_scalar(request, "min_tokens", 0)),
             bad_words=_word_list(request, "bad_words_list"),
+            top_logprobs=top_logprobs,
         )
         self.engine.submit(GenerationRequest(
             request_id=request_id,
             prompt=prompt,
             max_new_tokens=int(output_len),
-            sink=TritonSink(sender, streaming, prompt, exclude),
+            sink=TritonSink(sender, streaming, prompt, exclude, top_logprobs),
             sampling=sampling,
             end_id=None if end_id is None else int(end_id),
             stop_words=_word_list(request, "stop_words_list"),
