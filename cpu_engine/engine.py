@@ -22,6 +22,8 @@ from cpu_engine.scheduler import EngineStats, GenerationRequest, Scheduler
 
 log = logging.getLogger(__name__)
 
+MIN_STATS_SPACING_S = 0.02
+
 
 def configure_threads(num_threads: int) -> int:
     threads = num_threads if num_threads > 0 else len(os.sched_getaffinity(0))
@@ -38,6 +40,8 @@ class Engine:
         self._cancel_poll_s = cancel_poll_s
         self._on_stats = on_stats
         self._stats_period_s = stats_period_s
+        self._published_occupancy: tuple[int, int] | None = None
+        self._published_at = 0.0
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
@@ -87,21 +91,29 @@ class Engine:
             if self._is_cancelled(request):
                 self.scheduler.cancel(request.request_id)
 
-    def _publish_stats(self) -> None:
-        if self._on_stats is not None:
-            try:
-                self._on_stats(self.scheduler.stats())
-            except Exception:  # metrics must never stop the engine
-                log.exception("publishing engine stats failed")
+    def _publish_stats(self, now: float) -> None:
+        """Report every stats_period_s, busy or idle, and sooner when requests join or leave. Triton may
+        apply two metric updates sent within a millisecond out of order, so updates are spaced out and
+        repeated: a gauge is never wrong for longer than one period."""
+        occupancy = (len(self.scheduler.running), len(self.scheduler.waiting))
+        since = now - self._published_at
+        if self._on_stats is None or since < MIN_STATS_SPACING_S or (
+                occupancy == self._published_occupancy and since < self._stats_period_s):
+            return
+        self._published_occupancy, self._published_at = occupancy, now
+        try:
+            self._on_stats(self.scheduler.stats())
+        except Exception:  # metrics must never stop the engine
+            log.exception("publishing engine stats failed")
 
     def _loop(self) -> None:
-        last_poll = last_stats = 0.0
+        last_poll = 0.0
         with torch.inference_mode():
             while not self._stopped.is_set():
                 self._drain_inbox()
                 if not self.scheduler.has_work:
-                    self._publish_stats()  # idle: report the empty engine at once
-                    self._wakeup.wait(timeout=0.5)
+                    self._publish_stats(time.monotonic())
+                    self._wakeup.wait(timeout=self._stats_period_s)
                     self._wakeup.clear()
                     continue
                 now = time.monotonic()
@@ -112,6 +124,4 @@ class Engine:
                     self.scheduler.step()
                 except Exception:  # keep serving; the scheduler already failed the step's requests
                     log.exception("engine step failed")
-                if now - last_stats >= self._stats_period_s:
-                    self._publish_stats()
-                    last_stats = now
+                self._publish_stats(now)

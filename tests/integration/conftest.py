@@ -27,6 +27,7 @@ class Stack:
     base_url: str  # http://127.0.0.1:<port>/v1
     root_url: str  # http://127.0.0.1:<port>
     triton_grpc_url: str
+    triton_metrics_url: str
     model: str
     checkpoint_dir: Path
     context_length: int
@@ -88,7 +89,8 @@ def stack(built_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         root = f"http://127.0.0.1:{frontend_port}"
         wait_http_ok(f"{root}/health/ready", 120, frontend)
         checkpoint = built_engine / "checkpoints" / "demo-tiny"
-        yield Stack(f"{root}/v1", root, grpc_url, "demo-tiny", checkpoint, 512)
+        yield Stack(f"{root}/v1", root, grpc_url, f"http://127.0.0.1:{metrics}/metrics", "demo-tiny",
+                    checkpoint, 512)
     finally:
         if frontend is not None:
             stop_process(frontend)

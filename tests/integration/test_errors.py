@@ -47,7 +47,9 @@ def chat(stack: Stack, **fields) -> dict:
     ("max_tokens a string", lambda s: chat(s, max_tokens="many"), "max_tokens"),
     ("temperature too high", lambda s: chat(s, temperature=5), "temperature"),
     ("stream_options without stream", lambda s: chat(s, stream_options={"include_usage": True}), "stream_options"),
-    ("n above 1", lambda s: chat(s, n=2), "n"),
+    ("n above the limit", lambda s: chat(s, n=100), "n"),
+    ("logit_bias", lambda s: chat(s, logit_bias={"5": 10}), "logit_bias"),
+    ("top_logprobs without logprobs", lambda s: chat(s, top_logprobs=2), "top_logprobs"),
     ("tools", lambda s: chat(s, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ("json response_format", lambda s: chat(s, response_format={"type": "json_object"}), "response_format"),
 ])

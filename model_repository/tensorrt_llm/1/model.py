@@ -116,14 +116,14 @@ class EngineMetrics:
 
     def __init__(self, model_name: str):
         labels = {"model": model_name}
-        self._gauges = {
-            field: pb_utils.MetricFamily(name=f"cpu_engine_{field}", description=text,
-                                         kind=pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
-            for field, text in self.GAUGES.items()}
-        self._counters = {
-            field: pb_utils.MetricFamily(name=f"cpu_engine_{field}", description=text,
-                                         kind=pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
-            for field, text in self.COUNTERS.items()}
+        # Triton requires each MetricFamily to outlive its Metrics, so the families are kept here.
+        self._families = {
+            field: pb_utils.MetricFamily(name=f"cpu_engine_{field}", description=text, kind=kind)
+            for fields, kind in ((self.GAUGES, pb_utils.MetricFamily.GAUGE),
+                                 (self.COUNTERS, pb_utils.MetricFamily.COUNTER))
+            for field, text in fields.items()}
+        self._gauges = {field: self._families[field].Metric(labels=labels) for field in self.GAUGES}
+        self._counters = {field: self._families[field].Metric(labels=labels) for field in self.COUNTERS}
         self._counted = dict.fromkeys(self.COUNTERS, 0)
 
     def publish(self, stats: EngineStats) -> None:

@@ -1,0 +1,255 @@
+"""Every request field the frontend supports, through the official client (sync and async) and raw SSE:
+n, logprobs, echo, prompt shapes, sampling extensions, stop strings across tokens, disconnects,
+model/tokenizer helpers, request ids and chat templates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from launcher.ports import find_free_port
+from tests.integration.conftest import Stack, start_frontend, stop_process, wait_http_ok
+from tests.integration.test_openai_api import sse_events
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def async_client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def engine_gauge(stack: Stack, name: str) -> float:
+    text = httpx.get(stack.triton_metrics_url, timeout=10).text
+    match = re.search(rf'^{name}{{[^}}]*}} ([0-9.e+-]+)$', text, re.M)
+    assert match, f"{name} not exported"
+    return float(match.group(1))
+
+
+def wait_for_gauge(stack: Stack, name: str, condition, within_s: float) -> bool:
+    deadline = time.perf_counter() + within_s
+    while not condition(engine_gauge(stack, name)):
+        if time.perf_counter() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# ----- n ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+def test_n3_raw_sse_framing_and_streamed_equals_non_streamed(stack: Stack, endpoint: str) -> None:
+    body = {"model": stack.model, "max_tokens": 8, "n": 3, "seed": 11, "temperature": 1.0}
+    if endpoint == "completions":
+        body["prompt"] = "three choices"
+    else:
+        body["messages"] = [{"role": "user", "content": "three choices"}]
+    whole = httpx.post(f"{stack.base_url}/{endpoint}", json=body, timeout=60).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert whole["usage"]["completion_tokens"] == 24
+    response = httpx.post(f"{stack.base_url}/{endpoint}", timeout=60,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    texts, finishes = {0: "", 1: "", 2: ""}, {0: [], 1: [], 2: []}
+    for chunk in chunks[:-1]:
+        assert chunk["usage"] is None and len(chunk["choices"]) == 1
+        choice = chunk["choices"][0]
+        texts[choice["index"]] += choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
+        if choice["finish_reason"]:
+            finishes[choice["index"]].append(choice["finish_reason"])
+    assert finishes == {0: ["length"], 1: ["length"], 2: ["length"]}
+    for choice in whole["choices"]:
+        expected = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert texts[choice["index"]] == expected
+    assert len({c["message"]["content"] if "message" in c else c["text"] for c in whole["choices"]}) > 1
+    if endpoint == "chat/completions":
+        roles = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
+        assert sorted(roles) == [0, 1, 2]
+
+
+# ----- logprobs -----------------------------------------------------------------------------------
+def test_chat_logprobs_with_top_alternatives(client: openai.OpenAI, stack: Stack) -> None:
+    kwargs = dict(model=stack.model, messages=[{"role": "user", "content": "logprobs"}], max_tokens=6,
+                  temperature=0, logprobs=True, top_logprobs=3)
+    reply = client.chat.completions.create(**kwargs)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 6
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        values = [alt.logprob for alt in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token  # greedy
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-5
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+    streamed = [e for chunk in client.chat.completions.create(**kwargs, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+
+
+async def test_completion_logprobs_async(async_client: openai.AsyncOpenAI, stack: Stack) -> None:
+    reply = await async_client.completions.create(model=stack.model, prompt="offsets", max_tokens=5,
+                                                  temperature=0, logprobs=2)
+    lp = reply.choices[0].logprobs
+    assert "".join(lp.tokens) == reply.choices[0].text
+    assert len(lp.token_logprobs) == 5 and all(v <= 0 for v in lp.token_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(alts) == 2 for alts in lp.top_logprobs)
+
+
+# ----- completions prompt shapes and echo -----------------------------------------------------------
+def test_completion_prompt_shapes_and_echo(client: openai.OpenAI, stack: Stack) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(stack.checkpoint_dir)
+    single = client.completions.create(model=stack.model, prompt="alpha", max_tokens=4, temperature=0)
+    as_list = client.completions.create(model=stack.model, prompt=["alpha", "beta"], max_tokens=4, temperature=0)
+    beta = client.completions.create(model=stack.model, prompt="beta", max_tokens=4, temperature=0)
+    assert [c.text for c in as_list.choices] == [single.choices[0].text, beta.choices[0].text]
+    assert as_list.usage.prompt_tokens == single.usage.prompt_tokens + beta.usage.prompt_tokens
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in ("alpha", "beta")]
+    as_ids = client.completions.create(model=stack.model, prompt=ids, max_tokens=4, temperature=0)
+    assert [c.text for c in as_ids.choices] == [c.text for c in as_list.choices]
+    echoed = client.completions.create(model=stack.model, prompt="alpha", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == "alpha" + single.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=stack.model, prompt="alpha", max_tokens=4, temperature=0, echo=True, stream=True))
+    assert streamed == echoed.choices[0].text
+
+
+# ----- sampling fields ----------------------------------------------------------------------------------
+def test_sampling_extensions_change_what_they_should(client: openai.OpenAI, stack: Stack) -> None:
+    def text(**kwargs) -> str:
+        return client.completions.create(model=stack.model, prompt="sampling", max_tokens=24, **kwargs).choices[0].text
+
+    greedy = text(temperature=0)
+    assert text(temperature=1.0, extra_body={"top_k": 1}) == greedy  # top_k 1 is greedy
+    assert text(temperature=0, frequency_penalty=2.0) != greedy  # the random model repeats itself
+    assert text(temperature=0, presence_penalty=2.0) != greedy
+    assert text(temperature=0, extra_body={"repetition_penalty": 3.0}) != greedy
+    assert text(temperature=0, user="someone", extra_body={"min_tokens": 5, "ignore_eos": True}) == greedy
+    assert text(temperature=0.7, top_p=0.5, seed=3) == text(temperature=0.7, top_p=0.5, seed=3)
+
+
+def test_max_completion_tokens_wins_and_default_fills_the_context(client: openai.OpenAI, stack: Stack) -> None:
+    messages = [{"role": "user", "content": "limits"}]
+    reply = client.chat.completions.create(model=stack.model, messages=messages, max_completion_tokens=3,
+                                           max_tokens=9)
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+    unbounded = client.chat.completions.create(model=stack.model, messages=messages, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    assert unbounded.usage.total_tokens == stack.context_length
+    assert unbounded.choices[0].finish_reason == "length"
+
+
+# ----- stop strings across tokens -------------------------------------------------------------------
+def test_stop_string_split_across_several_tokens_never_streams(client: openai.OpenAI, stack: Stack) -> None:
+    base = dict(model=stack.model, prompt="a stop string across tokens", max_tokens=40, temperature=0)
+    probe = client.completions.create(**base, logprobs=0)
+    tokens = probe.choices[0].logprobs.tokens
+    k = next(i for i in range(3, 30) if tokens[i] and len(tokens[i + 1]) >= 1 and tokens[i + 2])
+    stop = tokens[k][-1] + tokens[k + 1] + tokens[k + 2][0]  # spans three tokens, mid-stream
+    full = probe.choices[0].text
+    expected = full[: full.index(stop)]
+    whole = client.completions.create(**base, stop=[stop, "never-seen"])
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text for c in client.completions.create(**base, stop=[stop], stream=True)]
+    assert "".join(pieces) == expected  # nothing of the stop string was streamed, not even a prefix
+    assert all(stop not in piece for piece in pieces)
+
+
+# ----- disconnects ------------------------------------------------------------------------------------
+def test_client_disconnect_frees_the_engine_slot_within_a_second(stack: Stack) -> None:
+    body = {"model": stack.model, "prompt": "long", "max_tokens": 450, "stream": True, "ignore_eos": True}
+    timed = {"model": stack.model, "prompt": "speed", "max_tokens": 40, "ignore_eos": True}
+    start = time.perf_counter()
+    httpx.post(f"{stack.base_url}/completions", json=timed, timeout=60).raise_for_status()
+    baseline = time.perf_counter() - start
+    with httpx.stream("POST", f"{stack.base_url}/completions", json=body, timeout=60) as response:
+        received = 0
+        for line in response.iter_lines():
+            received += line.startswith("data: {")
+            if received == 5:
+                assert wait_for_gauge(stack, "cpu_engine_active_slots", lambda v: v >= 1, 0.5)
+                break  # closing the line iterator closes the connection
+    assert wait_for_gauge(stack, "cpu_engine_active_slots", lambda v: v == 0, 1.0), \
+        "the engine kept generating after the client left"
+    start = time.perf_counter()
+    httpx.post(f"{stack.base_url}/completions", json=timed, timeout=60).raise_for_status()
+    assert time.perf_counter() - start < 2 * baseline + 0.2
+
+
+async def test_non_streaming_disconnect_cancels_generation(stack: Stack) -> None:
+    body = {"model": stack.model, "prompt": "long", "max_tokens": 450, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=0.5) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(f"{stack.base_url}/completions", json=body)
+    # the client gave up after 0.5 s; the frontend notices within its disconnect poll (0.2 s)
+    assert await asyncio.to_thread(wait_for_gauge, stack, "cpu_engine_active_slots", lambda v: v == 0, 1.0), \
+        "generation continued after the client left"
+
+
+# ----- models, tokenizer helpers, request ids ---------------------------------------------------------
+def test_model_by_id_tokenize_detokenize_and_request_id(client: openai.OpenAI, stack: Stack) -> None:
+    model = client.models.retrieve(stack.model)
+    assert model.id == stack.model and model.model_extra["max_model_len"] == stack.context_length
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    tokens = httpx.post(f"{stack.root_url}/tokenize", json={"prompt": "hi 世界"}, timeout=10).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == stack.context_length
+    text = httpx.post(f"{stack.root_url}/detokenize", json={"tokens": tokens["tokens"]}, timeout=10).json()
+    assert text == {"prompt": "hi 世界"}
+    chat_tokens = httpx.post(f"{stack.root_url}/tokenize", timeout=10,
+                             json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    reply = client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=1)
+    assert chat_tokens["count"] == reply.usage.prompt_tokens
+    response = httpx.post(f"{stack.base_url}/completions", headers={"X-Request-Id": "trace-me-123"}, timeout=30,
+                          json={"model": stack.model, "prompt": "x", "max_tokens": 1})
+    assert response.headers["x-request-id"] == "trace-me-123"
+    generated = httpx.post(f"{stack.base_url}/completions", timeout=30,
+                           json={"model": stack.model, "prompt": "x", "max_tokens": 1})
+    assert len(generated.headers["x-request-id"]) >= 16
+
+
+# ----- chat templates ----------------------------------------------------------------------------------
+def test_missing_chat_template_is_a_clear_400_unless_one_is_given(stack: Stack, tmp_path: Path) -> None:
+    plain = tmp_path / "no-template"
+    shutil.copytree(stack.checkpoint_dir, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    body = {"model": stack.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for extra, expect in (({}, 400), ({"CHAT_TEMPLATE": str(template)}, 200)):
+        port = find_free_port()
+        frontend = start_frontend(stack.triton_grpc_url, port, tmp_path / f"frontend{port}.log",
+                                  TOKENIZER_DIR=str(plain), **extra)
+        try:
+            wait_http_ok(f"http://127.0.0.1:{port}/health/ready", 60, frontend)
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
+            assert response.status_code == expect, response.text
+            if expect == 400:
+                error = response.json()["error"]
+                assert error["code"] == "chat_template_missing" and "--chat-template" in error["message"]
+                completion = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                                        json={"model": stack.model, "prompt": "hi", "max_tokens": 2})
+                assert completion.status_code == 200
+        finally:
+            stop_process(frontend)
