@@ -116,7 +116,12 @@ class TritonEngine:
         self.url = url
         self.engine_model = engine_model
         self._timeout = metadata_timeout_s
-        self._client = grpcclient.InferenceServerClient(url=url)
+        # Reconnect quickly after Triton restarts, instead of gRPC's default backoff of up to minutes.
+        self._client = grpcclient.InferenceServerClient(url=url, channel_args=[
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ])
 
     async def close(self) -> None:
         await self._client.close()

@@ -1,0 +1,91 @@
+"""Triton dying under load: open streams end with an error event then [DONE], readiness turns 503, new
+requests get 503, and the frontend serves again once Triton is back, without a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from launcher.ports import find_free_port
+from launcher.tritonserver import TritonServer
+from tests.integration.conftest import start_frontend, stop_process, wait_http_ok
+
+pytestmark = pytest.mark.integration
+
+
+async def read_stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event) -> tuple[list[str], float]:
+    """Every data payload of one SSE stream, and when the stream ended."""
+    payloads: list[str] = []
+    async with client.stream("POST", url, json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                payloads.append(line[len("data: "):])
+                if len(payloads) >= 3:
+                    started.set()
+    return payloads, time.monotonic()
+
+
+async def test_triton_killed_mid_stream_then_restarted(built_engine: Path, tmp_path: Path) -> None:
+    http, grpc, metrics, port = (find_free_port() for _ in range(4))
+
+    def triton() -> TritonServer:
+        return TritonServer(built_engine / "model_repository", http_port=http, grpc_port=grpc, metrics_port=metrics,
+                            log_file=tmp_path / f"triton-{time.monotonic_ns()}.log", work_dir=built_engine)
+
+    first = triton()
+    first.start()
+    frontend = None
+    second = None
+    try:
+        first.wait_ready(300)
+        frontend = start_frontend(f"127.0.0.1:{grpc}", port, tmp_path / "frontend.log")
+        root = f"http://127.0.0.1:{port}"
+        wait_http_ok(f"{root}/health/ready", 120, frontend)
+        body = {"model": "demo-tiny", "prompt": "keep going", "max_tokens": 450, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(timeout=30) as client:
+            events = [asyncio.Event() for _ in range(4)]
+            streams = [asyncio.create_task(read_stream(client, f"{root}/v1/completions", body, e)) for e in events]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
+            os.killpg(first.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*streams), 10)
+            for payloads, ended in results:
+                assert ended - killed < 5
+                assert payloads[-1] == "[DONE]"
+                error = json.loads(payloads[-2])["error"]
+                assert error["code"] == "service_unavailable" and error["message"]
+            deadline = time.monotonic() + 5
+            while (await client.get(f"{root}/health/ready")).status_code != 503:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+            response = await client.post(f"{root}/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+            assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
+            first.stop()
+
+            second = triton()
+            second.start()
+            second.wait_ready(300)
+            deadline = time.monotonic() + 15
+            while True:
+                response = await client.post(f"{root}/v1/completions",
+                                             json={**body, "stream": False, "max_tokens": 2})
+                if response.status_code == 200:
+                    break
+                assert time.monotonic() < deadline, response.text
+                await asyncio.sleep(0.5)
+            assert response.json()["usage"]["completion_tokens"] == 2
+            assert (await client.get(f"{root}/health/ready")).status_code == 200
+    finally:
+        if frontend is not None:
+            stop_process(frontend)
+        first.stop()
+        if second is not None:
+            second.stop()
