@@ -9,7 +9,7 @@ MODEL ?=
 PRESET ?=
 ENGINE_FLAGS := --backend $(BACKEND) --output-dir $(BUILD) $(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET))
 
-.PHONY: install engine serve test bench clean
+.PHONY: install engine serve test bench clean lint
 
 # A venv with every role's pinned dependencies; rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -34,6 +34,13 @@ test: install
 bench: install
 	$(PY) -m build_engine --if-missing --preset small --output-dir $(BUILD)/bench
 	$(PY) -m benchmarks.stack_bench --model-repository $(BUILD)/bench/model_repository --work-dir $(BUILD)/bench
+
+# docker/: the compose file must validate (docker-compose v1 from Debian, no daemon needed) and the
+# Dockerfiles must pass hadolint (pinned in the dev extra). MODEL_DIR is only interpolated, never read.
+lint: install
+	command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose; }
+	MODEL_DIR=/models/hf docker-compose -f docker/compose.yaml config --quiet
+	$(VENV)/bin/hadolint docker/Dockerfile.trtllm docker/Dockerfile.frontend
 
 clean:
 	rm -rf $(BUILD)

@@ -6,19 +6,23 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from build_engine.checkpoint import validate_checkpoint
-from build_engine.cpu_engine_builder import ENGINE_CONFIG_FILE, cpu_engine_config, write_engine_config
+from build_engine import trtllm
+from build_engine.checkpoint import CheckpointInfo, validate_checkpoint
+from build_engine.cpu_engine_builder import (
+    DTYPES,
+    ENGINE_CONFIG_FILE,
+    cpu_engine_config,
+    write_engine_config,
+)
 from build_engine.demo_checkpoint import ensure_demo_checkpoint
 from build_engine.errors import BuildError
-from build_engine.limits import resolve_limits
+from build_engine.limits import EngineLimits, resolve_limits
 from build_engine.render import render_repository
 from build_engine.values import repository_values
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "model_repository"
 DEFAULT_PRESET = "small"
-TRTLLM_NOT_IMPLEMENTED = (
-    "the TensorRT-LLM backend build is not implemented yet (tracked separately); use --backend cpu"
-)
+BACKENDS = ("cpu", "trtllm")
 
 
 @dataclass(frozen=True)
@@ -29,10 +33,16 @@ class BuildRequest:
     backend: str = "cpu"
     preset: str | None = None
     model: Path | None = None
-    dtype: str = "float32"
+    dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype for TensorRT-LLM
     max_batch_size: int | None = None
     max_seq_len: int | None = None
     max_num_tokens: int | None = None
+    # TensorRT-LLM only.
+    max_input_len: int | None = None
+    tp_size: int = 1
+    weight_only: str | None = None
+    kv_cache_dtype: str | None = None
+    trtllm_examples_dir: Path = trtllm.DEFAULT_EXAMPLES_DIR
 
     @property
     def source(self) -> dict[str, str]:
@@ -74,20 +84,22 @@ def existing_build(request: BuildRequest) -> BuildResult | None:
     explicit = request.preset is not None or request.model is not None
     if config.get("backend") != request.backend or (explicit and config.get("source") != request.source):
         return None
+    # A TensorRT engine only loads in the TensorRT-LLM version that built it: rebuild after an image upgrade.
+    if request.backend == "trtllm":
+        installed = trtllm.installed_version()
+        if installed is not None and config.get("tensorrt_llm_version") != installed:
+            return None
     return BuildResult(
         request.engine_dir.resolve(), request.repository_dir.resolve(), config["served_model_name"]
     )
 
 
-def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResult:
-    """Build the engine and render the model repository described by ``request``."""
-    if request.backend == "trtllm":
-        raise BuildError(TRTLLM_NOT_IMPLEMENTED)
-    if request.backend != "cpu":
-        raise BuildError(f"unknown backend {request.backend!r}; use --backend cpu")
+def _checkpoint_and_limits(request: BuildRequest) -> tuple[CheckpointInfo, str, EngineLimits]:
+    """Validate the backend and the checkpoint (generating the demo one if needed); resolve the limits."""
+    if request.backend not in BACKENDS:
+        raise BuildError(f"unknown backend {request.backend!r}; use one of {', '.join(BACKENDS)}")
     if request.model is not None and request.preset is not None:
         raise BuildError("give either --model or --preset, not both")
-
     if request.model is not None:
         checkpoint = validate_checkpoint(request.model)
         served_model_name = checkpoint.directory.name
@@ -95,22 +107,89 @@ def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResu
         preset = request.preset or DEFAULT_PRESET
         checkpoint = validate_checkpoint(ensure_demo_checkpoint(request.output_dir, preset))
         served_model_name = f"demo-{preset}"
+    gpu = request.backend == "trtllm"
+    max_batch_size = request.max_batch_size
+    if gpu and max_batch_size is None:
+        max_batch_size = trtllm.DEFAULT_MAX_BATCH_SIZE
+    max_seq_len = request.max_seq_len
+    if gpu and max_seq_len is None:
+        max_seq_len = min(checkpoint.max_position_embeddings, trtllm.DEFAULT_MAX_SEQ_LEN_CAP)
+    max_num_tokens = request.max_num_tokens
+    if gpu and max_num_tokens is None:
+        max_num_tokens = trtllm.DEFAULT_MAX_NUM_TOKENS
     limits = resolve_limits(
         max_position_embeddings=checkpoint.max_position_embeddings,
         preset=None if request.model is not None else (request.preset or DEFAULT_PRESET),
-        max_batch_size=request.max_batch_size,
-        max_seq_len=request.max_seq_len,
-        max_num_tokens=request.max_num_tokens,
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        max_num_tokens=max_num_tokens,
     )
-    engine_config = cpu_engine_config(
-        checkpoint,
-        served_model_name=served_model_name,
-        dtype=request.dtype,
-        limits=limits,
-        source=request.source,
+    return checkpoint, served_model_name, limits
+
+
+def _trtllm_options(request: BuildRequest) -> trtllm.TrtllmOptions:
+    return trtllm.TrtllmOptions(
+        dtype=request.dtype or "auto",
+        tp_size=request.tp_size,
+        weight_only=request.weight_only,
+        kv_cache_dtype=request.kv_cache_dtype,
+        max_input_len=request.max_input_len,
+        examples_dir=Path(request.trtllm_examples_dir),
     )
+
+
+def plan_trtllm(request: BuildRequest) -> trtllm.TrtllmPlan:
+    """The TensorRT-LLM commands ``build(request)`` would run (for --dry-run); runs nothing."""
+    if request.backend != "trtllm":
+        raise BuildError("only the trtllm backend runs external commands; the cpu build has none to print")
+    checkpoint, _, limits = _checkpoint_and_limits(request)
+    return trtllm.plan_build(
+        checkpoint, limits, _trtllm_options(request), work_dir=request.output_dir, engine_dir=request.engine_dir
+    )
+
+
+def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResult:
+    """Build the engine and render the model repository described by ``request``."""
+    checkpoint, served_model_name, limits = _checkpoint_and_limits(request)
+    plan: trtllm.TrtllmPlan | None = None
+    if request.backend == "trtllm":
+        options = _trtllm_options(request)
+        plan = trtllm.plan_build(
+            checkpoint, limits, options, work_dir=request.output_dir, engine_dir=request.engine_dir
+        )
+        version = trtllm.check_toolchain(plan)
+        engine_config = trtllm.trtllm_engine_config(
+            checkpoint,
+            plan,
+            limits,
+            options,
+            served_model_name=served_model_name,
+            source=request.source,
+            version=version,
+            checkpoint_hash=trtllm.checkpoint_sha256(checkpoint.directory),
+        )
+    else:
+        dtype = request.dtype or "float32"
+        if dtype not in DTYPES:
+            raise BuildError(f"--dtype {dtype} is not supported by the CPU engine; use one of {', '.join(DTYPES)}")
+        engine_config = cpu_engine_config(
+            checkpoint,
+            served_model_name=served_model_name,
+            dtype=dtype,
+            limits=limits,
+            source=request.source,
+        )
     values = repository_values(template_dir, request.backend, engine_config, request.engine_dir)
+    # Rendered before the (long) TensorRT-LLM build: the values do not depend on its output.
     render_repository(template_dir, values, request.repository_dir)
-    # Written last, so a failed render never leaves an engine that --if-missing would accept.
+    if plan is not None:
+        trtllm.run_build(plan)
+        built_by = trtllm.engine_version(plan.engine_dir)
+        if built_by is not None and built_by != engine_config["tensorrt_llm_version"]:
+            raise BuildError(
+                f"trtllm-build wrote TensorRT-LLM version {built_by} into {plan.engine_dir}/config.json, "
+                f"but the installed package is {engine_config['tensorrt_llm_version']}"
+            )
+    # Written last, so a failed render or build never leaves an engine that --if-missing would accept.
     write_engine_config(request.engine_dir, engine_config)
     return BuildResult(request.engine_dir.resolve(), request.repository_dir.resolve(), served_model_name)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from launcher.engine_check import check_model_repository
 from launcher.ports import PortInUseError, check_ports_free
 from launcher.tritonserver import TritonNotFoundError, TritonServer, TritonStartError, terminate_group
 
@@ -111,6 +112,7 @@ def preflight(cfg: Config) -> None:
         raise LaunchError(f"cannot bind FRONTEND_HOST={cfg.frontend_host!r}: {exc}") from None
     if not cfg.model_repository.is_dir():
         raise LaunchError(f"no model repository at {cfg.model_repository}; run `make engine` first")
+    check_model_repository(cfg.model_repository)  # a TensorRT-LLM engine must match the installed version
 
 
 # ----- frontend -----------------------------------------------------------------------------------------
