@@ -44,6 +44,32 @@ class Chunk:
     length: int
 
 
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input: one GEMM instead of several."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    bias = torch.cat([lin.bias.detach() if lin.bias is not None
+                      else torch.zeros(lin.out_features, dtype=weight.dtype) for lin in linears])
+    return weight, bias
+
+
+class FusedLayer:
+    """A decoder layer's weights, with q/k/v and gate/up fused (the checkpoint's modules are dropped)."""
+
+    def __init__(self, layer: torch.nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.qkv_weight, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up_weight, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        self.act = mlp.act_fn
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -63,21 +89,22 @@ class LlamaRunner:
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {config.dtype!r}")
         self.dtype = DTYPES[config.dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(config.checkpoint_dir, dtype=self.dtype)
-        self.model.eval()
-        decoder = self.model.model
+        model = AutoModelForCausalLM.from_pretrained(config.checkpoint_dir, dtype=self.dtype).eval()
+        decoder = model.model
         self.embed = decoder.embed_tokens
-        self.layers = list(decoder.layers)
         self.norm = decoder.norm
         self.rotary = decoder.rotary_emb
-        self.lm_head = self.model.lm_head
+        self.lm_head = model.lm_head
         self.vocab_size = int(hf_config.vocab_size)
-
-        attn = self.layers[0].self_attn
+        attn = decoder.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
         self.num_heads = int(hf_config.num_attention_heads)
         self.num_kv_heads = int(hf_config.num_key_value_heads)
         self.scale = float(attn.scaling)
+        self.layers = [FusedLayer(layer) for layer in decoder.layers]
+        del model, decoder  # the fused copies replace the per-projection weights
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.max_seq_len = config.max_seq_len
         self.num_slots = config.max_batch_size
         cache_shape = (len(self.layers), self.num_slots, self.num_kv_heads, self.max_seq_len, self.head_dim)
@@ -123,13 +150,12 @@ class LlamaRunner:
             dec_rows = slice(first, first + num_decode) if contiguous else slots[:num_decode]
 
         for layer_idx, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3
-                q, k = attn.q_norm(q), attn.k_norm(k)
+            qkv = F.linear(layer.input_norm(hidden), layer.qkv_weight, layer.qkv_bias)
+            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
@@ -161,8 +187,9 @@ class LlamaRunner:
                 outputs.append(out[0].transpose(0, 1).reshape(chunk.length, -1))
                 offset += chunk.length
             attn_out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
-            hidden = hidden + attn.o_proj(attn_out)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.o_proj(attn_out)
+            gate, up = F.linear(layer.post_norm(hidden), layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+            hidden = hidden + layer.down_proj(layer.act(gate) * up)
 
         if not logits_rows:  # a step of prompt chunks that all end mid-prompt
             return torch.empty(0, self.vocab_size)
