@@ -56,7 +56,8 @@ class SamplingRow:
     banned: list[int]  # token ids forbidden this step (end_id before min_tokens, bad words)
 
 
-def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    """In place, on one row's logits."""
     params = row.params
     vocab = logits.shape[-1]
     if params.repetition_penalty != 1.0:
@@ -68,48 +69,30 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     if row.output and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(torch.tensor(row.output, dtype=torch.long), minlength=vocab).float()
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
-    return logits
-
-
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, NEG_INF)
-    if 0.0 < top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) > top_p  # keeps the token that crosses top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), NEG_INF)
-    return logits
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     """Pick one token per row of `logits` [B, vocab], with its log-probability (and alternatives).
 
-    Log-probabilities are under the model's own distribution (before penalties, temperature and
-    filtering), which is what OpenAI's `logprobs` report.
+    The whole batch is processed at once: penalties and bans touch only the rows that have them, then
+    one argmax serves the greedy rows and one sort/softmax/cumsum the sampled rows (top-k and top-p as
+    per-row masks over the sorted logits); each sampled row draws with its own generator through the
+    exponential race (argmax p / E, E ~ Exp(1)), which samples exactly from p and keeps seeded requests
+    reproducible whatever else is in the batch. Log-probabilities are under the model's own
+    distribution (before penalties, temperature and filtering), which is what OpenAI's `logprobs` report.
     """
     logprobs = torch.log_softmax(logits, dim=-1)
-    greedy_rows = [i for i, row in enumerate(rows) if row.params.greedy and not row.banned
-                   and not row.params.has_penalties]
-    tokens = torch.empty(len(rows), dtype=torch.long)
-    if greedy_rows:
-        index = torch.tensor(greedy_rows, dtype=torch.long)
-        tokens[index] = torch.argmax(logits[index], dim=-1)
-    greedy_set = set(greedy_rows)
-    for i, row in enumerate(rows):
-        if i in greedy_set:
-            continue
-        row_logits = _apply_penalties(logits[i].clone(), row)
-        if row.banned:
-            row_logits[torch.tensor(row.banned, dtype=torch.long)] = NEG_INF
-        if row.params.greedy:
-            tokens[i] = torch.argmax(row_logits)
-            continue
-        row_logits = _filter_top_k_top_p(row_logits / row.params.temperature, row.params.top_k,
-                                         row.params.top_p)
-        probs = torch.softmax(row_logits, dim=-1)
-        tokens[i] = torch.multinomial(probs, 1, generator=row.generator)[0]
+    adjusted = [i for i, row in enumerate(rows) if row.banned or row.params.has_penalties]
+    if adjusted:
+        logits = logits.clone()
+        for i in adjusted:
+            _apply_penalties(logits[i], rows[i])
+            if rows[i].banned:
+                logits[i, torch.tensor(rows[i].banned, dtype=torch.long)] = NEG_INF
+    tokens = torch.argmax(logits, dim=-1)
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if sampled:
+        tokens[torch.tensor(sampled)] = _sample_rows(logits[torch.tensor(sampled)], [rows[i] for i in sampled])
     chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
     results = []
     for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
@@ -119,3 +102,19 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
             top = list(zip(ids.tolist(), values.tolist()))
         results.append(SampledToken(token, chosen[i], top))
     return results
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    temperature = torch.tensor([row.params.temperature for row in rows], dtype=logits.dtype)
+    top_k = torch.tensor([row.params.top_k if 0 < row.params.top_k < vocab else vocab for row in rows])
+    top_p = torch.tensor([row.params.top_p if 0.0 < row.params.top_p < 1.0 else 1.0 for row in rows],
+                         dtype=logits.dtype)
+    sorted_logits, order = torch.sort(logits / temperature[:, None], dim=-1, descending=True)
+    keep = torch.arange(vocab)[None, :] < top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, NEG_INF), dim=-1)
+    keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p[:, None]  # the smallest set reaching top_p
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, NEG_INF), dim=-1)
+    noise = torch.stack([torch.empty(vocab).exponential_(generator=row.generator) for row in rows])
+    picked = torch.argmax(probs / noise, dim=-1)
+    return order.gather(1, picked[:, None])[:, 0]

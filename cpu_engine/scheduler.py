@@ -3,9 +3,10 @@
 Pure engine logic with no Triton in it, so tests drive it step by step. Requests wait in a FIFO queue
 and take a KV-cache slot when one is free; a request that could never fit (prompt + output over
 max_seq_len) is refused before it takes one. Each step decodes one token for every sequence past its
-prompt and spends the rest of the `max_num_tokens` budget on prompt chunks, so a long prompt is read a
-chunk at a time while the other streams keep producing tokens. Finished and cancelled sequences leave
-at the end of the step and their slot is free for the next one.
+prompt and spends the rest of the `max_num_tokens` budget on prompt chunks (less while others decode:
+see PrefillBudget), so a long prompt is read a chunk at a time while the other streams keep producing
+tokens. Finished and cancelled sequences leave at the end of the step and their slot is free for the next
+one.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import enum
 import itertools
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -95,10 +97,48 @@ class EngineStats:
     generated_tokens_total: int
 
 
+class PrefillBudget:
+    """How many prompt tokens a step may read while other sequences are decoding.
+
+    A step's time is about a decode step's (reading the weights once) plus a cost per prompt token. To
+    keep the decoding streams' inter-token latency within `ratio` times a plain decode step, the budget
+    is (ratio - 1) x decode-step time / per-token prefill cost, both learned from the steps themselves
+    (moving averages), so it fits whatever machine and model it runs on.
+    """
+
+    MIN_TOKENS = 16
+    SMOOTHING = 0.2
+
+    def __init__(self, ratio: float):
+        self.ratio = ratio
+        self.decode_step_s: float | None = None
+        self.prefill_token_s: float | None = None
+
+    def observe(self, seconds: float, decode_tokens: int, prefill_tokens: int) -> None:
+        if prefill_tokens == 0:
+            if decode_tokens:
+                self.decode_step_s = self._ema(self.decode_step_s, seconds)
+        elif self.decode_step_s is not None:
+            per_token = max(seconds - self.decode_step_s, 0.0) / prefill_tokens
+            self.prefill_token_s = self._ema(self.prefill_token_s, per_token)
+
+    def tokens(self) -> int:
+        if self.decode_step_s is None or not self.prefill_token_s:
+            return self.MIN_TOKENS * 4  # until both costs are known
+        allowed = (self.ratio - 1.0) * self.decode_step_s / self.prefill_token_s
+        return max(self.MIN_TOKENS, int(allowed))
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTHING * (new - old)
+
+
 class Scheduler:
-    def __init__(self, runner: Forward, max_num_tokens: int):
+    def __init__(self, runner: Forward, max_num_tokens: int, prefill_step_ratio: float = 2.0,
+                 clock: Callable[[], float] = time.perf_counter):
         self.runner = runner
         self.max_num_tokens = max(max_num_tokens, 1)
+        self.prefill_budget = PrefillBudget(prefill_step_ratio)
+        self._clock = clock
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[Sequence] = []
         self.free_slots: list[int] = list(range(runner.num_slots))
@@ -200,6 +240,8 @@ class Scheduler:
             return
         decode = sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.slot)
         budget = self.max_num_tokens - len(decode)
+        if decode:  # others are streaming: read prompts only as fast as keeps their latency steady
+            budget = min(budget, self.prefill_budget.tokens())
         token_ids = [s.tokens[-1] for s in decode]
         decode_slots = [s.slot for s in decode]
         decode_positions = [s.num_cached for s in decode]
@@ -226,7 +268,10 @@ class Scheduler:
                 logits_rows.append(row - 1)
 
         try:
+            started = self._clock()
             logits = self.runner.forward(token_ids, decode_slots, decode_positions, chunks, logits_rows)
+            self.prefill_budget.observe(self._clock() - started, len(decode),
+                                        sum(chunk.length for chunk in chunks))
             for seq in decode:
                 seq.num_cached += 1
             for seq, chunk in zip(chunk_seqs, chunks):

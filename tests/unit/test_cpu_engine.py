@@ -10,8 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cpu_engine.config import EngineConfig
 from cpu_engine.runner import Chunk, LlamaRunner
-from cpu_engine.sampling import SampledToken, SamplingParams
-from cpu_engine.scheduler import FinishReason, GenerationRequest, RequestError, Scheduler
+from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
+from cpu_engine.scheduler import FinishReason, GenerationRequest, PrefillBudget, RequestError, Scheduler
 
 VOCAB = 512
 
@@ -198,3 +198,50 @@ def test_logprobs_are_the_models_own_and_top_alternatives_are_sorted(checkpoint:
         assert abs(logprob - expected[step, token].item()) < 1e-4
         assert [t for t, _ in top] == torch.topk(expected[step], 3).indices.tolist()
         assert top[0][0] == token  # greedy picks the most likely token
+
+
+def test_prefill_budget_keeps_decode_steps_within_the_ratio() -> None:
+    budget = PrefillBudget(ratio=2.0)
+    assert budget.tokens() == 4 * PrefillBudget.MIN_TOKENS  # nothing measured yet
+    for _ in range(20):
+        budget.observe(0.040, decode_tokens=16, prefill_tokens=0)  # plain decode step: 40 ms
+        budget.observe(0.040 + 64 * 0.002, decode_tokens=16, prefill_tokens=64)  # 2 ms per prompt token
+    assert budget.tokens() == pytest.approx(20, abs=1)  # (2 - 1) x 40 ms / 2 ms
+    for _ in range(20):
+        budget.observe(0.040 + 64 * 0.0001, decode_tokens=16, prefill_tokens=64)  # cheap prompt tokens
+    assert budget.tokens() > 300
+
+
+def test_long_prompt_is_read_in_chunks_while_others_decode(checkpoint: Path) -> None:
+    scheduler = make_scheduler(checkpoint, max_num_tokens=200)
+    streaming = request("s", prompt_of(4), 60)
+    scheduler.add(streaming)
+    for _ in range(5):
+        scheduler.step()
+    long_one = request("long", prompt_of(180), 2)
+    scheduler.add(long_one)
+    chunk_steps = 0
+    while long_one.sink.finish is None:
+        before = len(streaming.sink.tokens)
+        scheduler.step()
+        assert len(streaming.sink.tokens) == before + 1  # the stream never stalls
+        chunk_steps += 1
+    assert chunk_steps >= 3  # 180 prompt tokens did not go in one step although max_num_tokens allowed it
+
+
+def _draws(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    rows = [SamplingRow(params, generator, [], [], []) for _ in range(n)]
+    return torch.tensor([t.token for t in sample(logits.expand(n, -1).clone(), rows)])
+
+
+def test_batched_sampler_draws_from_the_filtered_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    free = _draws(logits, SamplingParams(temperature=1.0, top_p=1.0, seed=0), 4000)
+    freq = torch.bincount(free, minlength=4).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
+    assert set(_draws(logits, SamplingParams(temperature=1.0, top_k=2), 500).tolist()) == {0, 1}
+    assert set(_draws(logits, SamplingParams(temperature=1.0, top_p=0.7), 500).tolist()) == {0, 1}
+    assert set(_draws(logits, SamplingParams(temperature=1.0, top_p=0.5), 500).tolist()) == {0}
+    hot = torch.bincount(_draws(logits, SamplingParams(temperature=5.0, top_p=1.0), 4000), minlength=4)
+    assert hot[3] > 600  # a high temperature flattens the distribution

@@ -1,0 +1,161 @@
+"""The CPU engine against its ceiling and its floor, measured in one run on one machine.
+
+    python -m benchmarks.engine_bench [--engine-dir build/bench] [--quick]
+
+1. ceiling: plain Hugging Face forward + KV cache, batched decode steps, no server (batch 1 and 16);
+2. floor: serial `model.generate`, one request at a time (what a naive server does);
+3. the whole stack, OpenAI frontend -> Triton -> engine, at concurrency 1, 4, 16, 32 (64 output tokens);
+4. chunked prefill: while 15 streams decode, a 1,500-token prompt arrives; the streams' inter-token
+   latency p99 during its prefill against their p50.
+
+Every figure comes from this run, so the ratios compare like with like on a shared, noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from transformers import AutoModelForCausalLM
+
+from benchmarks import servers
+from benchmarks.loadgen import DEFAULT_PROMPTS, percentile, run_level
+
+DECODE_STEPS = 48
+OUTPUT_TOKENS = 64
+
+
+def load_model(checkpoint: Path, dtype: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
+
+
+@torch.inference_mode()
+def ceiling_tokens_per_s(model: torch.nn.Module, batch: int, steps: int = DECODE_STEPS) -> float:
+    """Tokens/s of batched decode steps with Hugging Face's own forward and cache: the ceiling."""
+    ids = torch.randint(10, 4000, (batch, 32))
+    out = model(ids, use_cache=True)
+    past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(3):  # warm-up
+        out = model(token, past_key_values=past, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = model(token, past_key_values=past, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return batch * steps / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def floor_tokens_per_s(model: torch.nn.Module, requests: int) -> float:
+    """Tokens/s of serial `generate` calls of OUTPUT_TOKENS tokens each: the naive server."""
+    start = time.perf_counter()
+    for i in range(requests):
+        ids = torch.randint(10, 4000, (1, 24 + i))
+        model.generate(ids, max_new_tokens=OUTPUT_TOKENS, min_new_tokens=OUTPUT_TOKENS, do_sample=False)
+    return requests * OUTPUT_TOKENS / (time.perf_counter() - start)
+
+
+async def chunk_times(client: httpx.AsyncClient, base_url: str, model: str, prompt: list[int] | str,
+                      max_tokens: int) -> tuple[float, list[float]]:
+    """Send one streaming completion; return when it was sent and when each content chunk arrived."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    sent, times = time.perf_counter(), []
+    async with client.stream("POST", f"{base_url}/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"text":""' not in line:
+                times.append(time.perf_counter())
+    return sent, times
+
+
+async def chunked_prefill(base_url: str, model: str, long_prompt_tokens: int, streams: int) -> dict:
+    """ITL of `streams` decoding streams, inside and outside the window where a long prompt is read."""
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams + 4)) as client:
+        decoders = [asyncio.create_task(chunk_times(client, base_url, model, f"stream {i}:", 400))
+                    for i in range(streams)]
+        await asyncio.sleep(2.0)  # let them reach steady decoding
+        long_prompt = [(17 * i) % 3900 + 20 for i in range(long_prompt_tokens)]
+        sent, long_times = await chunk_times(client, base_url, model, long_prompt, 4)
+        results = await asyncio.gather(*decoders)
+    prefill_end = long_times[0]
+    inside, outside = [], []
+    for _, times in results:
+        for before, after in zip(times, times[1:]):
+            gap = after - before
+            (inside if after > sent and before < prefill_end else outside).append(gap)
+    return {"streams": streams, "long_prompt_tokens": long_prompt_tokens,
+            "prefill_s": round(prefill_end - sent, 3),
+            "itl_p50_ms_outside_prefill": round(percentile(outside, 50) * 1000, 2),
+            "itl_p99_ms_during_prefill": round(percentile(inside, 99) * 1000, 2),
+            "ratio_p99_during_to_p50": round(percentile(inside, 99) / percentile(outside, 50), 2)}
+
+
+async def stack_levels(base_url: str, model: str, concurrencies: list[int], quick: bool) -> list[dict]:
+    await run_level(base_url, model, 2, 2, 8, DEFAULT_PROMPTS)  # warm-up
+    rows = []
+    for concurrency in concurrencies:
+        requests = concurrency * (1 if quick else 2) + (2 if concurrency == 1 else 0)
+        result = await run_level(base_url, model, concurrency, requests, OUTPUT_TOKENS, DEFAULT_PROMPTS)
+        rows.append(result.summary())
+        print(f"  stack c={concurrency}: {rows[-1]}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine-dir", type=Path, default=Path("build/bench"),
+                        help="output dir of `python -m build_engine --preset small` (engine/, model_repository/)")
+    parser.add_argument("--quick", action="store_true", help="fewer requests and steps")
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    args = parser.parse_args(argv)
+
+    engine_config = json.loads((args.engine_dir / "engine" / "engine_config.json").read_text())
+    checkpoint, dtype = Path(engine_config["checkpoint_dir"]), engine_config["dtype"]
+    model_name = engine_config["served_model_name"]
+    print(f"engine: {args.engine_dir} ({model_name}, {dtype}, max_batch_size {engine_config['max_batch_size']}, "
+          f"max_num_tokens {engine_config['max_num_tokens']}); torch threads {torch.get_num_threads()}")
+
+    model = load_model(checkpoint, dtype)
+    ceiling = {batch: ceiling_tokens_per_s(model, batch) for batch in (1, 16)}
+    floor = floor_tokens_per_s(model, 2 if args.quick else 4)
+    del model
+    print(f"ceiling (HF forward + KV cache): batch 1 {ceiling[1]:.1f} tok/s, batch 16 {ceiling[16]:.1f} tok/s")
+    print(f"floor (serial generate): {floor:.1f} tok/s", flush=True)
+
+    concurrencies = [1, 4, 16, 32]
+    with tempfile.TemporaryDirectory(prefix="engine-bench-") as logs:
+        with servers.triton(args.engine_dir / "model_repository", args.engine_dir, Path(logs)) as triton:
+            with servers.frontend(triton.grpc_url, Path(logs)) as base_url:
+                rows = asyncio.run(stack_levels(base_url, model_name, concurrencies, args.quick))
+                prefill = asyncio.run(chunked_prefill(base_url, model_name, 1500, 15))
+
+    by_c = {row["concurrency"]: row for row in rows}
+    ratios = {
+        "c1_vs_ceiling_b1": by_c[1]["output_tok_per_s"] / ceiling[1],
+        "c16_vs_ceiling_b16": by_c[16]["output_tok_per_s"] / ceiling[16],
+        "c16_vs_floor": by_c[16]["output_tok_per_s"] / floor,
+        "c32_vs_ceiling_b16": by_c[32]["output_tok_per_s"] / ceiling[16],
+    }
+    print("\n| concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['concurrency']} | {row['output_tok_per_s']} | {row['ttft_p50_ms']} | {row['ttft_p99_ms']} | "
+              f"{row['itl_p50_ms']} | {row['itl_p99_ms']} |")
+    print(f"\nceiling batch 1: {ceiling[1]:.1f} tok/s; batch 16: {ceiling[16]:.1f} tok/s; floor: {floor:.1f} tok/s")
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}")
+    print(f"chunked prefill: {prefill}")
+    if args.json:
+        args.json.write_text(json.dumps({"ceiling": ceiling, "floor": floor, "stack": rows, "ratios": ratios,
+                                         "chunked_prefill": prefill}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
