@@ -36,6 +36,7 @@ def engine_values(engine_config: Mapping[str, Any], engine_dir: Path) -> dict[st
         "tokenizer_dir": str(Path(engine_config["checkpoint_dir"]).resolve()),
         "triton_max_batch_size": str(engine_config["max_batch_size"]),
         "max_seq_len": str(engine_config["max_seq_len"]),
+        "max_num_tokens": str(engine_config["max_num_tokens"]),
         "served_model_name": str(engine_config["served_model_name"]),
     }
 

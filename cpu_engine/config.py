@@ -23,7 +23,8 @@ class EngineConfig:
     num_threads: int = 0  # 0: every core this process may run on
 
     @classmethod
-    def from_engine_dir(cls, engine_dir: Path, num_threads: int = 0) -> "EngineConfig":
+    def from_engine_dir(cls, engine_dir: Path, num_threads: int = 0, max_num_tokens: int = 0) -> "EngineConfig":
+        """`max_num_tokens` > 0 overrides the built value (the Triton config's runtime setting)."""
         path = Path(engine_dir) / ENGINE_CONFIG_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: build the engine first (make engine)")
@@ -35,6 +36,6 @@ class EngineConfig:
             dtype=raw.get("dtype", "float32"),
             max_batch_size=int(raw["max_batch_size"]),
             max_seq_len=int(raw["max_seq_len"]),
-            max_num_tokens=int(raw["max_num_tokens"]),
+            max_num_tokens=max_num_tokens or int(raw["max_num_tokens"]),
             num_threads=num_threads,
         )

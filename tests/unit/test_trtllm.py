@@ -62,7 +62,8 @@ def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory, llama_checkpoint:
 
 
 def engine_config_for(checkpoint: Path) -> dict[str, Any]:
-    return {"checkpoint_dir": str(checkpoint), "max_batch_size": 8, "max_seq_len": 1024, "served_model_name": "m"}
+    return {"checkpoint_dir": str(checkpoint), "max_batch_size": 8, "max_seq_len": 1024, "max_num_tokens": 256,
+            "served_model_name": "m"}
 
 
 def render(backend: str, checkpoint: Path, out: Path, engine_dir: Path) -> Path:
