@@ -21,6 +21,7 @@ class Tokenizer:
         pad = self._tok.pad_token_id
         self.pad_token_id: int | None = pad if pad is not None else self.eos_token_id
         self.vocab_size = len(self._tok)
+        self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
 
     @property
     def has_chat_template(self) -> bool:
@@ -32,8 +33,7 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    @functools.lru_cache(maxsize=65536)
-    def token_text(self, token_id: int) -> str:
+    def _token_text(self, token_id: int) -> str:
         """One token's text on its own (special tokens included), for logprobs."""
         return self._tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
