@@ -1,0 +1,66 @@
+"""The load generator against the real stack, a few requests through each transport: raw Triton gRPC
+(`tensorrt_llm`, token ids) and the OpenAI endpoint (SSE). The figures must be sane and the token counts
+exact, so the two paths measure the same work."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.loadgen import OpenAITarget, TritonTarget, run_sweep, run_workload_level
+from benchmarks.metrics import summarize
+from benchmarks.workload import Workload, load_tokenizer
+from tests.integration.conftest import Stack
+
+pytestmark = pytest.mark.integration
+
+SMOKE = Workload(name="smoke", seed=7, num_prompts=3, input_tokens=12, output_tokens=6, concurrencies=(2,),
+                 rounds=1, min_requests=3, warmup_requests=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stack: Stack):
+    return load_tokenizer(stack.checkpoint_dir)
+
+
+def targets(stack: Stack, tokenizer) -> dict[str, object]:
+    return {"triton": TritonTarget(stack.triton_grpc_url, tokenizer, SMOKE.output_tokens),
+            "frontend": OpenAITarget(stack.base_url, stack.model, SMOKE.output_tokens)}
+
+
+def assert_sane(timings, expected: int) -> None:
+    assert len(timings) == expected
+    for t in timings:
+        assert t.error is None, t.error
+        assert t.output_tokens == SMOKE.output_tokens  # fixed output length, as counted by the server
+        assert t.input_tokens > SMOKE.input_tokens  # the prompt plus the chat template
+        assert 0 < t.ttft <= t.e2e
+        assert t.token_times == sorted(t.token_times)
+        assert t.itl is not None and t.itl >= 0
+
+
+async def test_both_transports_same_work(stack: Stack, tokenizer):
+    prompts = SMOKE.prompts(tokenizer)
+    per_target = {}
+    for name, target in targets(stack, tokenizer).items():
+        timings, wall = await run_workload_level(target, prompts, concurrency=2, requests=3, progress=False)
+        assert_sane(timings, 3)
+        summary = summarize(timings)
+        assert summary["requests"] == 3 and summary["errors"] == 0
+        assert summary["output_tokens"] == 3 * SMOKE.output_tokens
+        assert 0 < summary["duration_s"] <= wall
+        assert summary["output_tok_per_s"] > 0 and summary["req_per_s"] > 0
+        assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
+        per_target[name] = timings
+    # Same prompts in the same order: the raw path sends exactly the ids the frontend renders
+    # (the usage chunk's prompt_tokens on the OpenAI side, len(input_ids) on the Triton side).
+    assert [t.input_tokens for t in per_target["triton"]] == [t.input_tokens for t in per_target["frontend"]]
+
+
+async def test_sweep_reports_every_level(stack: Stack, tokenizer):
+    prompts = SMOKE.prompts(tokenizer)
+    for target in targets(stack, tokenizer).values():
+        (row,) = await run_sweep(target, SMOKE, prompts, progress=False)
+        assert row["target"] == target.label and row["concurrency"] == 2
+        assert row["requests"] == 3 and row["errors"] == 0 and "first_error" not in row
+        assert row["output_tokens_per_request"] == SMOKE.output_tokens
+        assert row["ttft_ms"]["p99"] <= row["e2e_ms"]["p99"]

@@ -1,0 +1,167 @@
+"""benchmarks/metrics.py on synthetic timestamps with hand-computed answers, and the perf_analyzer export
+parser on a small hand-written export."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+
+from benchmarks import loadgen
+from benchmarks.metrics import RequestTiming, parse_pa_export, parse_pa_request, percentile, summarize
+from benchmarks.workload import DEFAULT, QUICK, Workload, load_workload
+
+approx = pytest.approx
+
+
+def synthetic() -> list[RequestTiming]:
+    return [
+        # TTFT 0.1, E2E 0.4, ITL (0.4 - 0.1) / 3 = 0.1
+        RequestTiming(start=0.0, token_times=[0.1, 0.2, 0.3, 0.4], output_tokens=4, input_tokens=10),
+        # a response may carry several tokens: TTFT 0.3, E2E 0.8, ITL (0.8 - 0.3) / 1 = 0.5
+        RequestTiming(start=0.5, token_times=[0.8, 1.3], output_tokens=2, input_tokens=20),
+        # one token: TTFT = E2E = 0.2, no ITL
+        RequestTiming(start=1.0, token_times=[1.2], output_tokens=1, input_tokens=30),
+        # failed: counted as an error, not in any figure
+        RequestTiming(start=1.1, error="boom"),
+    ]
+
+
+def test_per_request_figures():
+    a, b, c, d = synthetic()
+    assert (a.ttft, a.e2e, a.itl) == (approx(0.1), approx(0.4), approx(0.1))
+    assert (b.ttft, b.e2e, b.itl) == (approx(0.3), approx(0.8), approx(0.5))
+    assert (c.ttft, c.e2e, c.itl) == (approx(0.2), approx(0.2), None)
+    assert not d.ok
+
+
+def test_summary_hand_computed():
+    s = summarize(synthetic())
+    assert s["requests"] == 3 and s["errors"] == 1
+    assert s["duration_s"] == approx(1.3)  # first sent (0.0) -> last token (1.3)
+    assert s["output_tokens"] == 7 and s["input_tokens"] == 60
+    assert s["output_tokens_per_request"] == approx(7 / 3)
+    assert s["output_tok_per_s"] == approx(7 / 1.3)
+    assert s["req_per_s"] == approx(3 / 1.3)
+    # TTFT sorted 0.1, 0.2, 0.3: p50 0.2; p90 rank 1.8 -> 0.2 + 0.8 * 0.1; p99 rank 1.98
+    assert s["ttft_ms"] == {"p50": approx(200), "p90": approx(280), "p99": approx(298), "mean": approx(200)}
+    # ITL 0.1, 0.5: p50 rank 0.5 -> 0.3; p90 -> 0.1 + 0.9 * 0.4; p99 -> 0.1 + 0.99 * 0.4
+    assert s["itl_ms"] == {"p50": approx(300), "p90": approx(460), "p99": approx(496), "mean": approx(300)}
+    # E2E sorted 0.2, 0.4, 0.8: p90 rank 1.8 -> 0.4 + 0.8 * 0.4
+    assert s["e2e_ms"] == {"p50": approx(400), "p90": approx(720), "p99": approx(792), "mean": approx(1400 / 3)}
+
+
+def test_summary_explicit_duration_and_empty():
+    assert summarize(synthetic(), duration_s=2.0)["output_tok_per_s"] == approx(3.5)
+    empty = summarize([])
+    assert empty["requests"] == 0 and empty["output_tok_per_s"] is None and empty["ttft_ms"]["p50"] is None
+
+
+def test_percentile_matches_numpy_linear():
+    np = pytest.importorskip("numpy")
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for p in (0, 10, 50, 90, 99, 100):
+        assert percentile(values, p) == approx(float(np.percentile(values, p)))
+    assert percentile([4.0], 99) == 4.0
+
+
+# ----- perf_analyzer --profile-export-file -----------------------------------------------------------------
+S = 1_000_000_000  # ns per second
+EXPORT = {
+    "version": "2.51.0", "service_kind": "triton", "endpoint": "",
+    "experiments": [
+        {"experiment": {"mode": "concurrency", "value": 1},
+         "window_boundaries": [S, 3 * S],
+         "requests": [
+             # tensorrt_llm: output_ids per response (a scalar or a list); a bare final response {} is dropped
+             {"timestamp": S,
+              "request_inputs": {"input_ids": [1, 2, 3, 4, 5], "input_lengths": 5, "streaming": True},
+              "response_timestamps": [S + 100_000_000, S + 150_000_000, S + 200_000_000, S + 300_000_000],
+              "response_outputs": [{"output_ids": 11}, {"output_ids": [12, 13]}, {"output_ids": 14}, {}]},
+             {"timestamp": 2 * S,
+              "request_inputs": {"input_ids": [1, 2, 3], "input_lengths": [3]},
+              "response_timestamps": [2 * S + 400_000_000, 2 * S + 500_000_000],
+              "response_outputs": [{"output_ids": 21}, {"output_ids": 22}]},
+         ]},
+        {"experiment": {"mode": "concurrency", "value": 2},
+         "window_boundaries": [],
+         "requests": [
+             # ensemble: one text response per token, even one that decodes to "" (half a UTF-8 character)
+             {"timestamp": 10 * S, "request_inputs": {"text_input": "hi"},
+              "response_timestamps": [10 * S + 50_000_000, 10 * S + 80_000_000, 10 * S + 110_000_000],
+              "response_outputs": [{"text_output": "a"}, {"text_output": ""}, {"text_output": "b"}]},
+             # an export without outputs (older perf_analyzer): every response is one token
+             {"timestamp": 10 * S, "request_inputs": {},
+              "response_timestamps": [10 * S + 70_000_000, 10 * S + 130_000_000]},
+         ]},
+    ],
+}
+
+
+def test_pa_request_hand_computed():
+    t = parse_pa_request(EXPORT["experiments"][0]["requests"][0])
+    assert t.start == approx(1.0) and t.token_times == [approx(1.1), approx(1.15), approx(1.2)]
+    assert t.output_tokens == 4 and t.input_tokens == 5
+    assert (t.ttft, t.e2e, t.itl) == (approx(0.1), approx(0.2), approx(0.1 / 3))
+
+
+def test_pa_export_hand_computed(tmp_path):
+    path = tmp_path / "export.json"
+    path.write_text(json.dumps(EXPORT))
+    one, two = parse_pa_export(path)
+    assert (one["mode"], one["value"]) == ("concurrency", 1)
+    # requests: (TTFT 0.1, E2E 0.2, 4 tokens), (TTFT 0.4, E2E 0.5, 2 tokens); span 1.0 s -> 2.5 s
+    assert one["requests"] == 2 and one["output_tokens"] == 6 and one["input_tokens"] == 8
+    assert one["duration_s"] == approx(1.5)
+    assert one["output_tok_per_s"] == approx(4.0) and one["req_per_s"] == approx(2 / 1.5)
+    assert one["ttft_ms"]["p50"] == approx(250) and one["e2e_ms"]["p50"] == approx(350)
+    # ITL: 0.1 / 3 and 0.1 / 1
+    assert one["itl_ms"]["p50"] == approx((100 / 3 + 100) / 2)
+    # ensemble request: 3 tokens, TTFT 50 ms, ITL 30 ms; bare request: 2 tokens, TTFT 70 ms, ITL 60 ms
+    assert two["value"] == 2 and two["output_tokens"] == 5
+    assert two["ttft_ms"]["p50"] == approx(60) and two["itl_ms"]["p50"] == approx(45)
+    assert two["duration_s"] == approx(0.13)
+    assert parse_pa_export(EXPORT) == [one, two]  # a dict works as well as a path
+
+
+def test_pa_openai_sse_responses():
+    record = {"timestamp": 0, "response_timestamps": [10, 20, 30, 40],
+              "response_outputs": [
+                  {"response": 'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'},
+                  {"response": 'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\n'},
+                  {"response": 'data: {"choices":[{"delta":{"content":"lo"}}]}\n\n'},
+                  {"response": "data: [DONE]\n\n"}]}
+    t = parse_pa_request(record)
+    assert t.output_tokens == 2 and t.token_times == [approx(20e-9), approx(30e-9)]
+
+
+# ----- the workload and the original load-generator API -----------------------------------------------------
+def test_workload_is_deterministic_and_sized():
+    assert Workload().prompts() == Workload().prompts()
+    assert Workload(seed=1).prompts() != Workload(seed=2).prompts()
+    assert len(DEFAULT.prompts()) == DEFAULT.num_prompts
+    assert all(len(p.split()) == QUICK.input_tokens for p in QUICK.prompts())
+    assert DEFAULT.concurrencies == (1, 4, 16, 32)
+    assert DEFAULT.requests_at(32) >= 32 and DEFAULT.requests_at(1) == DEFAULT.min_requests
+    assert DEFAULT.requests_at(32, naive=True) >= 32  # at least one request per concurrent client
+    assert load_workload(quick=True) == QUICK
+
+
+def test_workload_json_override(tmp_path):
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"output_tokens": 7, "concurrencies": [2, 3]}))
+    w = load_workload(path=path)
+    assert w.output_tokens == 7 and w.concurrencies == (2, 3) and w.seed == DEFAULT.seed
+
+
+def test_loadgen_public_api_unchanged():
+    assert list(inspect.signature(loadgen.run_level).parameters) == [
+        "base_url", "model", "concurrency", "requests", "max_tokens", "prompts"]
+    assert list(inspect.signature(loadgen.stream_chat).parameters) == [
+        "client", "base_url", "model", "prompt", "max_tokens"]
+    assert loadgen.percentile is percentile
+    result = loadgen.LevelResult(4, 2, 2.0, 64, [0.1, 0.3], [0.01, 0.03])
+    assert result.tokens_per_s == 32.0
+    assert result.summary() == {"concurrency": 4, "requests": 2, "output_tok_per_s": 32.0, "ttft_p50_ms": 200.0,
+                                "ttft_p99_ms": 298.0, "itl_p50_ms": 20.0, "itl_p99_ms": 29.8}
