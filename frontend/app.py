@@ -1,14 +1,17 @@
-"""The FastAPI application: wiring only (settings, Triton client, routes, error handlers)."""
+"""The FastAPI application: wiring only (settings, Triton client, edge middleware, routes, error handlers)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI
 
 from frontend.errors import OpenAIError, install_error_handlers
+from frontend.middleware import Edge, EdgeMiddleware
 from frontend.model_context import ModelContextLoader
 from frontend.routes import router
 from frontend.settings import Settings
@@ -16,22 +19,52 @@ from frontend.triton_engine import TritonEngine
 
 log = logging.getLogger("frontend")
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def warn_if_open(settings: Settings, edge: Edge) -> None:
+    if edge.keys.enabled:
+        log.info("API keys required: %d key(s) loaded%s", len(edge.keys),
+                 f" (file {settings.api_keys_file}, reloaded on SIGHUP)" if settings.api_keys_file else "")
+        return
+    exposure = ("only this machine can reach it" if settings.frontend_host in LOOPBACK_HOSTS or
+                settings.frontend_host.startswith("127.") else
+                f"ANYONE WHO CAN REACH {settings.frontend_host}:{settings.frontend_port} CAN USE IT")
+    log.warning("!!! NO API KEYS CONFIGURED: the server is open, with no authentication (%s). "
+                "Set API_KEYS or API_KEYS_FILE to require `Authorization: Bearer <key>`. !!!", exposure)
+
 
 def create_app(settings: Settings) -> FastAPI:
+    edge = Edge(settings)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = TritonEngine(settings.triton_grpc_url, settings.engine_model, settings.triton_timeout_s)
         app.state.settings = settings
         app.state.engine = engine
         app.state.contexts = ModelContextLoader(settings, engine)
+        warn_if_open(settings, edge)
+        loop = asyncio.get_running_loop()
+        hup = False
+        if settings.api_keys_file is not None:
+            try:  # only possible in the main thread (not under a test client's thread)
+                loop.add_signal_handler(signal.SIGHUP, edge.keys.reload)
+                hup = True
+            except (RuntimeError, NotImplementedError, ValueError):
+                log.warning("cannot listen for SIGHUP here; API_KEYS_FILE will not be reloaded")
         try:
             await app.state.contexts.get()
         except OpenAIError as exc:  # Triton not up yet: serve 503s and retry on each request
             log.warning("model not loaded yet (%s); will retry on the next request", exc.message)
         yield
+        if hup:
+            loop.remove_signal_handler(signal.SIGHUP)
         await engine.close()
 
     app = FastAPI(title="tritonllm OpenAI frontend", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.edge = edge
     install_error_handlers(app)
     app.include_router(router)
+    app.add_middleware(EdgeMiddleware, edge=edge)
     return app

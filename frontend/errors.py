@@ -6,6 +6,7 @@ The openai SDKs pick their exception class from the HTTP status and read `error.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,19 +17,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -41,6 +43,26 @@ def service_unavailable(message: str) -> OpenAIError:
 
 def engine_error(message: str) -> OpenAIError:
     return OpenAIError(500, message, "server_error", None, "engine_error")
+
+
+def invalid_api_key(message: str) -> OpenAIError:
+    return OpenAIError(401, message, "invalid_request_error", None, "invalid_api_key",
+                       {"WWW-Authenticate": "Bearer"})
+
+
+def too_many_requests(message: str, retry_after_s: float, type: str = "server_error",
+                      code: str = "overloaded") -> OpenAIError:
+    """429 with Retry-After (whole seconds, at least 1), which the openai SDKs honour when retrying."""
+    return OpenAIError(429, message, type, None, code, {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
+def payload_too_large(limit_bytes: int) -> OpenAIError:
+    return OpenAIError(413, f"request body is larger than the limit of {limit_bytes} bytes",
+                       "invalid_request_error", None, "request_too_large")
+
+
+def request_timeout(message: str) -> OpenAIError:
+    return OpenAIError(504, message, "server_error", None, "timeout")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

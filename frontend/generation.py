@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 from frontend.errors import invalid_request
 from frontend.schemas import SamplingFields
@@ -98,8 +98,10 @@ def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: i
 
 
 async def generate_text(engine: TritonEngine, tokenizer: Tokenizer, request_id: str, job: ChoiceJob,
-                        stop: list[str], usage: UsageCounter, streaming: bool) -> AsyncIterator[TextDelta]:
-    """Yield text deltas (never empty, never part of a stop string), the last with its finish reason."""
+                        stop: list[str], usage: UsageCounter, streaming: bool,
+                        timing: TokenTimer | None = None) -> AsyncIterator[TextDelta]:
+    """Yield text deltas (never empty, never part of a stop string), the last with its finish reason.
+    `timing.tokens(n)` is told of each engine chunk's tokens as they arrive (TTFT, inter-token latency)."""
     detok = tokenizer.detokenizer(job.prompt_ids)
     matcher = StopStringMatcher(stop)
     pending: list[TokenInfo] = []
@@ -109,6 +111,8 @@ async def generate_text(engine: TritonEngine, tokenizer: Tokenizer, request_id: 
         async for chunk in chunks:
             generated += len(chunk.token_ids)
             usage.completion_tokens += len(chunk.token_ids)
+            if timing is not None:
+                timing.tokens(len(chunk.token_ids))
             pending += [TokenInfo(t, lp, top) for t, lp, top in zip(chunk.token_ids, chunk.logprobs, chunk.top)]
             text, stopped = matcher.feed(detok.add(chunk.token_ids))
             if stopped:
@@ -124,6 +128,10 @@ async def generate_text(engine: TritonEngine, tokenizer: Tokenizer, request_id: 
         text += matcher.flush()
     finish = "length" if generated >= job.options.max_tokens and not stopped else "stop"
     yield TextDelta(text, finish, pending)
+
+
+class TokenTimer(Protocol):
+    def tokens(self, count: int) -> None: ...
 
 
 _END = object()

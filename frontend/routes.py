@@ -13,6 +13,8 @@ from frontend.errors import OpenAIError, invalid_request, service_unavailable
 from frontend.generation import (ChoiceJob, TextDelta, UsageCounter, choice_jobs, generate_text,
                                  merge_choices)
 from frontend.logprobs import chat_logprobs, completion_logprobs
+from frontend.metrics import TokenTiming
+from frontend.middleware import RequestContext
 from frontend.model_context import ModelContext
 from frontend.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                               ChatCompletionRequest, ChatDelta, Completion, CompletionChoice,
@@ -29,6 +31,11 @@ DISCONNECT_POLL_S = 0.2
 def request_id_of(request: Request) -> str:
     """The client's X-Request-Id if it sent one (so its logs and Triton's line up), else a new one."""
     return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+def request_context(request: Request) -> RequestContext | None:
+    """What the edge middleware knows of this request (deadline, key, usage record); None without it."""
+    return getattr(request.state, "ctx", None)
 
 
 async def model_context(request: Request, model: str | None = None) -> ModelContext:
@@ -100,6 +107,12 @@ class Generation:
         max_n = request.app.state.settings.max_n
         if req.n > max_n:
             raise invalid_request(f"n must be at most {max_n}", "n")
+        settings = request.app.state.settings
+        if settings.max_prompt_tokens and any(len(p) > settings.max_prompt_tokens for p in prompts):
+            longest = max(len(p) for p in prompts)
+            raise invalid_request(f"The prompt has {longest} tokens, more than this server's limit of "
+                                  f"{settings.max_prompt_tokens}.", "messages" if hasattr(req, "messages")
+                                  else "prompt", "prompt_too_long")
         self.request_id = request_id_of(request)
         self.context = context
         self.jobs = choice_jobs(req, prompts, context.context_length, context.tokenizer, top_logprobs)
@@ -107,14 +120,51 @@ class Generation:
         self._engine = request.app.state.engine
         self._stop = req.stop_strings
         self._streaming = req.stream
+        self.ctx = ctx = request_context(request)
+        if ctx is not None:  # tokens per minute: reserve the most this can use (429 if over the limit)
+            ctx.reserve_tokens(self.usage.prompt_tokens + sum(job.options.max_tokens for job in self.jobs))
+            ctx.prompt_tokens, ctx.usage = self.usage.prompt_tokens, self.usage
+            if settings.log_prompts:
+                ctx.prompt_text = [context.tokenizer.decode(p) for p in prompts]
+                ctx.completion_text = []
 
     def _job_request_id(self, job: ChoiceJob) -> str:
         return self.request_id if len(self.jobs) == 1 else f"{self.request_id}-{job.index}"
 
+    def _timing(self) -> TokenTiming | None:
+        ctx = self.ctx
+        if ctx is None or ctx.edge is None:
+            return None
+
+        def first(ttft: float) -> None:
+            ctx.ttft_s = ttft if ctx.ttft_s is None else min(ctx.ttft_s, ttft)
+
+        return TokenTiming(ctx.started, ctx.edge.metrics, ctx.route, first)
+
     def streams(self) -> dict[int, AsyncIterator[TextDelta]]:
         return {job.index: generate_text(self._engine, self.context.tokenizer, self._job_request_id(job), job,
-                                         self._stop, self.usage, self._streaming)
+                                         self._stop, self.usage, self._streaming, self._timing())
                 for job in self.jobs}
+
+    async def bounded(self, awaitable: Any) -> Any:
+        """Await under the request's deadline: cancelled (with its Triton requests) when time is up or the
+        server shuts down, raising the matching OpenAIError (504 timeout / 503)."""
+        if self.ctx is None or self.ctx.deadline is None:
+            return await awaitable
+        return await self.ctx.deadline.run(awaitable)
+
+    def record(self, delta: TextDelta) -> None:
+        """Note a delta's finish reason (and, with log_prompts, its text) for metrics and the access log."""
+        if self.ctx is not None:
+            self.ctx.record_finish(delta.finish_reason)
+            if self.ctx.completion_text is not None:
+                self.ctx.completion_text.append(delta.text)
+
+    def failed(self, exc: OpenAIError) -> None:
+        if self.ctx is not None:
+            deadline = self.ctx.deadline
+            self.ctx.finish_reason = (deadline.reason if deadline is not None and deadline.reason
+                                      else "timeout" if exc.code == "timeout" else "error")
 
     async def collect(self) -> dict[int, tuple[str, str, list]]:
         """Every choice's (text, finish_reason, tokens), generated concurrently."""
@@ -125,10 +175,15 @@ class Generation:
                 parts.append(delta.text)
                 tokens += delta.tokens
                 finish = delta.finish_reason or finish
+                self.record(delta)
             return "".join(parts), finish, tokens
 
         streams = self.streams()
-        results = await asyncio.gather(*(one(s) for s in streams.values()))
+        try:
+            results = await self.bounded(asyncio.gather(*(one(s) for s in streams.values())))
+        except OpenAIError as exc:
+            self.failed(exc)
+            raise
         return dict(zip(streams, results))
 
 
@@ -213,9 +268,11 @@ async def stream_response(generation: Generation, chunks: ChatChunks | Completio
     that disconnects closes the body generator, which cancels every Triton request of the stream."""
     merged = merge_choices(generation.streams())
     try:
-        first = await anext(merged, None)
-    except BaseException:
+        first = await generation.bounded(anext(merged, None))
+    except BaseException as exc:
         await merged.aclose()
+        if isinstance(exc, OpenAIError):
+            generation.failed(exc)
         raise
 
     async def body() -> AsyncIterator[bytes]:
@@ -224,12 +281,14 @@ async def stream_response(generation: Generation, chunks: ChatChunks | Completio
                 yield frame
             item = first
             while item is not None:
+                generation.record(item[1])
                 for frame in chunks.delta(*item):
                     yield frame
-                item = await anext(merged, None)
+                item = await generation.bounded(anext(merged, None))
             if include_usage:
                 yield chunks.usage(generation.usage)
         except OpenAIError as exc:
+            generation.failed(exc)
             yield sse_json(exc.body())
         finally:
             await merged.aclose()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -30,3 +30,35 @@ class Settings(BaseSettings):
     triton_timeout_s: float = Field(5.0, description="timeout for Triton metadata calls (not for generation)")
     log_prompts: bool = Field(False, description="log prompt and completion text (debugging only)")
     log_level: str = Field("info", description="uvicorn/app log level")
+    access_log: bool = Field(True, description="one JSON line per request on stderr (no prompt text unless "
+                                               "log_prompts)")
+    # Authentication
+    api_keys: str | None = Field(None, description="comma-separated API keys accepted as `Authorization: "
+                                                   "Bearer`; none and no file: the server is open")
+    api_keys_file: Path | None = Field(None, description="file of API keys, one per line (# comments); "
+                                                         "re-read on SIGHUP")
+    metrics_require_key: bool = Field(False, description="GET /metrics needs an API key too (when keys are set)")
+    # Admission control
+    max_in_flight: int = Field(64, ge=1, description="generation requests running at once; more wait in a queue")
+    max_queued: int = Field(256, ge=0, description="requests waiting for a slot; past it: 429 + Retry-After")
+    max_queue_wait_s: float = Field(30.0, gt=0, description="longest wait for a slot before 429 + Retry-After")
+    rate_limit_rpm: int = Field(0, ge=0, description="requests per minute per API key (0: no limit)")
+    rate_limit_tpm: int = Field(0, ge=0, description="tokens (prompt + max_tokens, settled with actual usage) "
+                                                     "per minute per API key (0: no limit)")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="largest request body; past it: 413")
+    max_prompt_tokens: int = Field(0, ge=0, description="longest prompt in tokens (0: the context length); "
+                                                        "past it: 400")
+    # Deadlines and shutdown
+    request_timeout_s: float = Field(600.0, gt=0, description="per-request deadline (504 `timeout`, or an error "
+                                                              "event in a stream); X-Request-Timeout may lower it")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may finish "
+                                                            "before they are cancelled")
+    # TLS
+    ssl_certfile: Path | None = Field(None, description="PEM certificate: serve HTTPS (with ssl_keyfile)")
+    ssl_keyfile: Path | None = Field(None, description="PEM private key of ssl_certfile")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "Settings":
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile must be given together")
+        return self

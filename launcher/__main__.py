@@ -2,8 +2,11 @@
 
 Starts tritonserver, waits until the engine model is ready, starts the frontend, waits until it answers,
 prints where to send requests, and then supervises both: Ctrl+C / SIGTERM stops the frontend first (so no
-request is accepted that Triton can no longer serve) and then Triton; if either dies, the other is
-stopped too and the exit code is 1. Nothing is left running on any path out (try/finally).
+request is accepted that Triton can no longer serve; it drains for SHUTDOWN_GRACE_S) and then Triton; if
+either dies, the other is stopped too and the exit code is 1. Nothing is left running on any path out
+(try/finally). SIGHUP is forwarded to the frontend, which reloads API_KEYS_FILE. With SSL_CERTFILE and
+SSL_KEYFILE the frontend serves HTTPS, and the readiness probes here use https (no certificate check:
+they only ever connect to this machine).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -26,8 +30,10 @@ from launcher.ports import PortInUseError, check_ports_free
 from launcher.tritonserver import TritonNotFoundError, TritonServer, TritonStartError, terminate_group
 
 FRONTEND_READY_TIMEOUT_S = 120.0
-FRONTEND_STOP_GRACE_S = 10.0
+FRONTEND_STOP_GRACE_S = 10.0  # after the frontend's own drain (SHUTDOWN_GRACE_S)
 POLL_S = 0.5
+
+_frontend_pid: int | None = None  # where SIGHUP goes
 
 
 class LaunchError(RuntimeError):
@@ -54,10 +60,22 @@ class Config:
     work_dir: Path
     engine_model: str
     triton_ready_timeout_s: float
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
+    shutdown_grace_s: float = 30.0
 
     @property
     def triton_log(self) -> Path:
         return self.work_dir / "logs" / "tritonserver.log"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
+
+    @property
+    def frontend_base(self) -> str:
+        """The frontend as the probes reach it (a wildcard bind is reachable on loopback)."""
+        return f"{self.scheme}://{_probe_host(self.frontend_host)}:{self.frontend_port}"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -92,6 +110,9 @@ def load_config(args: argparse.Namespace) -> Config:
         # The frontend reads ENGINE_MODEL too, so one variable renames the model for both.
         engine_model=os.environ.get("ENGINE_MODEL") or "tensorrt_llm",
         triton_ready_timeout_s=_env_float("TRITON_READY_TIMEOUT", 600.0),
+        ssl_certfile=os.environ.get("SSL_CERTFILE", ""),
+        ssl_keyfile=os.environ.get("SSL_KEYFILE", ""),
+        shutdown_grace_s=_env_float("SHUTDOWN_GRACE_S", 30.0),
     )
 
 
@@ -110,6 +131,11 @@ def preflight(cfg: Config) -> None:
         raise LaunchError(str(exc)) from None
     except OSError as exc:  # e.g. FRONTEND_HOST is not an address of this machine
         raise LaunchError(f"cannot bind FRONTEND_HOST={cfg.frontend_host!r}: {exc}") from None
+    if bool(cfg.ssl_certfile) != bool(cfg.ssl_keyfile):
+        raise LaunchError("set both SSL_CERTFILE and SSL_KEYFILE for HTTPS, or neither")
+    for name, path in (("SSL_CERTFILE", cfg.ssl_certfile), ("SSL_KEYFILE", cfg.ssl_keyfile)):
+        if path and not Path(path).is_file():
+            raise LaunchError(f"{name}={path!r}: no such file")
     if not cfg.model_repository.is_dir():
         raise LaunchError(f"no model repository at {cfg.model_repository}; run `make engine` first")
     check_model_repository(cfg.model_repository)  # a TensorRT-LLM engine must match the installed version
@@ -135,9 +161,32 @@ def _probe_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
-def _http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes] | None:
+def _loopback_tls() -> ssl.SSLContext:
+    """For probing our own frontend on this machine: encrypted, certificate not checked (it may well be
+    self-signed, or issued for a public name rather than 127.0.0.1)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def probe_api_key() -> str | None:
+    """A key for the launcher's own /v1/models call when the frontend requires keys (never printed)."""
+    keys = [k.strip() for k in os.environ.get("API_KEYS", "").split(",") if k.strip()]
+    if not keys and os.environ.get("API_KEYS_FILE"):
+        try:
+            lines = Path(os.environ["API_KEYS_FILE"]).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            lines = []
+        keys = [k.strip() for k in lines if k.strip() and not k.strip().startswith("#")]
+    return keys[0] if keys else None
+
+
+def _http_get(url: str, timeout_s: float = 2.0, api_key: str | None = None) -> tuple[int, bytes] | None:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    context = _loopback_tls() if url.startswith("https://") else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, b""
@@ -146,7 +195,7 @@ def _http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes] | None:
 
 
 def wait_frontend_ready(cfg: Config, frontend: subprocess.Popen[bytes], triton: TritonServer) -> None:
-    base = f"http://{_probe_host(cfg.frontend_host)}:{cfg.frontend_port}"
+    base = cfg.frontend_base
     deadline = time.monotonic() + FRONTEND_READY_TIMEOUT_S
     while True:
         _check_alive(frontend, triton)
@@ -160,7 +209,7 @@ def wait_frontend_ready(cfg: Config, frontend: subprocess.Popen[bytes], triton: 
 
 def served_model_id(cfg: Config) -> str:
     """The id clients must send, as the frontend reports it (falls back to '?' rather than failing)."""
-    answer = _http_get(f"http://{_probe_host(cfg.frontend_host)}:{cfg.frontend_port}/v1/models", timeout_s=5)
+    answer = _http_get(f"{cfg.frontend_base}/v1/models", timeout_s=5, api_key=probe_api_key())
     if answer is None or answer[0] != 200:
         return "?"
     try:
@@ -180,14 +229,17 @@ def _check_alive(frontend: subprocess.Popen[bytes] | None, triton: TritonServer)
 
 def banner(cfg: Config, model_id: str) -> str:
     # Print an address one can connect to; a wildcard bind is reachable on loopback.
-    url = f"http://{_probe_host(cfg.frontend_host)}:{cfg.frontend_port}/v1"
+    url = f"{cfg.frontend_base}/v1"
     where = url if _probe_host(cfg.frontend_host) == cfg.frontend_host else f"{url} (bound to {cfg.frontend_host})"
     body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    auth = " -H 'Authorization: Bearer $API_KEY'" if os.environ.get("API_KEYS") or os.environ.get("API_KEYS_FILE") else ""
+    insecure = " -k" if cfg.scheme == "https" else ""
     return (
         f"Serving {model_id} at {where}  (Triton gRPC 127.0.0.1:{cfg.grpc_port}, HTTP :{cfg.http_port}, "
         f"metrics :{cfg.metrics_port}; Triton log: {cfg.triton_log})\n"
-        f"Try: curl {url}/chat/completions -H 'Content-Type: application/json' -d '{body}'\n"
-        f"Press Ctrl+C to stop."
+        f"Try: curl{insecure} {url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+        f"Metrics: {cfg.frontend_base}/metrics (frontend), http://127.0.0.1:{cfg.metrics_port}/metrics (Triton)\n"
+        f"Press Ctrl+C to stop; kill -HUP {os.getpid()} reloads API_KEYS_FILE."
     )
 
 
@@ -195,7 +247,17 @@ def _raise_shutdown(signum: int, _frame: FrameType | None) -> None:
     raise _Shutdown(signum)
 
 
+def _forward_hup(_signum: int, _frame: FrameType | None) -> None:
+    """SIGHUP reloads the frontend's API keys; the launcher itself keeps running."""
+    if _frontend_pid is not None:
+        try:
+            os.kill(_frontend_pid, signal.SIGHUP)
+        except ProcessLookupError:
+            pass
+
+
 def serve(cfg: Config) -> int:
+    global _frontend_pid
     preflight(cfg)
     triton = TritonServer(cfg.model_repository, cfg.http_port, cfg.grpc_port, cfg.metrics_port,
                           log_file=cfg.triton_log, work_dir=cfg.work_dir, model_name=cfg.engine_model)
@@ -206,6 +268,7 @@ def serve(cfg: Config) -> int:
         took = triton.wait_ready(cfg.triton_ready_timeout_s)
         print(f"Triton ready in {took:.1f} s; starting the frontend ...", flush=True)
         frontend = start_frontend(cfg)
+        _frontend_pid = frontend.pid
         wait_frontend_ready(cfg, frontend, triton)
         print(banner(cfg, served_model_id(cfg)), flush=True)
         while True:
@@ -219,7 +282,8 @@ def serve(cfg: Config) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
         if frontend is not None:
-            terminate_group(frontend, FRONTEND_STOP_GRACE_S)
+            _frontend_pid = None
+            terminate_group(frontend, cfg.shutdown_grace_s + FRONTEND_STOP_GRACE_S)
         triton.stop()
 
 
@@ -236,8 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_shutdown)
+    signal.signal(signal.SIGHUP, _forward_hup)
     try:
         return serve(load_config(args))
     except (LaunchError, TritonStartError, TritonNotFoundError) as exc:

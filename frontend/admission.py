@@ -1,0 +1,193 @@
+"""Admission control: how many requests run and wait at once, and per-key request and token rates.
+
+- `AdmissionGate`: at most `max_in_flight` generation requests run; up to `max_queued` more wait, first
+  come first served, for at most a bounded time; anything past that is refused at once (429 +
+  Retry-After) instead of hanging. A stream holds its slot until it ends, however it ends.
+- `RateLimiter`: per key, a token bucket of requests per minute and one of tokens per minute. A request
+  reserves prompt + max_tokens up front and gives back what it did not use when it ends.
+
+Pure asyncio and arithmetic, with the clock injected, so they are unit-tested without servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+Clock = Callable[[], float]
+
+
+class Rejected(Exception):
+    """Refused admission: `reason` for metrics and logs, `retry_after_s` for the Retry-After header."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+# ----- rate limits ------------------------------------------------------------------------------------
+class TokenBucket:
+    """`capacity` tokens, refilled continuously at `per_second`."""
+
+    def __init__(self, capacity: float, per_second: float, clock: Clock):
+        self.capacity = float(capacity)
+        self.per_second = float(per_second)
+        self._clock = clock
+        self._tokens = float(capacity)
+        self._updated = clock()
+
+    @property
+    def tokens(self) -> float:
+        self._refill()
+        return self._tokens
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._tokens = min(self.capacity, self._tokens + (now - self._updated) * self.per_second)
+        self._updated = now
+
+    def take(self, n: float) -> float:
+        """Take `n` tokens and return 0, or take nothing and return the seconds until `n` are there
+        (infinite if `n` is more than the bucket holds)."""
+        self._refill()
+        if n <= self._tokens:
+            self._tokens -= n
+            return 0.0
+        if n > self.capacity:
+            return math.inf
+        return (n - self._tokens) / self.per_second
+
+    def give_back(self, n: float) -> None:
+        self._refill()
+        self._tokens = min(self.capacity, self._tokens + max(0.0, n))
+
+
+@dataclass
+class TokenReservation:
+    key: str
+    reserved: int
+    settled: bool = False
+
+
+class RateLimiter:
+    """Per-key requests-per-minute and tokens-per-minute limits; 0 means no limit."""
+
+    RETRY_AFTER_MAX_S = 60.0
+
+    def __init__(self, requests_per_minute: int = 0, tokens_per_minute: int = 0, clock: Clock = time.monotonic):
+        self.rpm = requests_per_minute
+        self.tpm = tokens_per_minute
+        self._clock = clock
+        self._requests: dict[str, TokenBucket] = {}
+        self._tokens: dict[str, TokenBucket] = {}
+
+    def _bucket(self, buckets: dict[str, TokenBucket], key: str, per_minute: int) -> TokenBucket:
+        bucket = buckets.get(key)
+        if bucket is None:
+            bucket = buckets[key] = TokenBucket(per_minute, per_minute / 60.0, self._clock)
+        return bucket
+
+    def check_request(self, key: str) -> None:
+        if self.rpm <= 0:
+            return
+        wait = self._bucket(self._requests, key, self.rpm).take(1)
+        if wait > 0:
+            raise Rejected("requests_per_minute", f"Rate limit reached: {self.rpm} requests per minute for "
+                                                  "this API key. Please retry later.", wait)
+
+    def reserve_tokens(self, key: str, tokens: int) -> TokenReservation:
+        if self.tpm <= 0:
+            return TokenReservation(key, 0)
+        wait = self._bucket(self._tokens, key, self.tpm).take(tokens)
+        if math.isinf(wait):
+            raise Rejected("tokens_per_minute", f"Request too large: it may use {tokens} tokens (prompt + "
+                                                f"max_tokens), above the limit of {self.tpm} tokens per minute "
+                                                "for this API key. Lower max_tokens or shorten the prompt.",
+                           self.RETRY_AFTER_MAX_S)
+        if wait > 0:
+            raise Rejected("tokens_per_minute", f"Rate limit reached: {self.tpm} tokens per minute for this "
+                                                f"API key; this request needs {tokens} (prompt + max_tokens). "
+                                                "Please retry later.", min(wait, self.RETRY_AFTER_MAX_S))
+        return TokenReservation(key, tokens)
+
+    def settle(self, reservation: TokenReservation, used: int) -> None:
+        """Give back what a request reserved but did not use (once)."""
+        if reservation.settled or reservation.reserved <= 0:
+            return
+        reservation.settled = True
+        unused = reservation.reserved - max(0, used)
+        if unused > 0:
+            self._bucket(self._tokens, reservation.key, self.tpm).give_back(unused)
+
+
+# ----- concurrency ------------------------------------------------------------------------------------
+class AdmissionGate:
+    """`max_in_flight` slots and a FIFO queue of at most `max_queued` waiters."""
+
+    def __init__(self, max_in_flight: int, max_queued: int, clock: Clock = time.monotonic):
+        if max_in_flight < 1 or max_queued < 0:
+            raise ValueError("max_in_flight must be >= 1 and max_queued >= 0")
+        self.max_in_flight = max_in_flight
+        self.max_queued = max_queued
+        self._clock = clock
+        self.in_flight = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._service_s = 1.0  # moving average of how long a slot is held, for Retry-After
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    def retry_after_s(self) -> float:
+        """A guess at when a slot frees up: the queue ahead drained at the average service time."""
+        return min(60.0, max(1.0, self._service_s * (self.queued + 1) / self.max_in_flight))
+
+    async def acquire(self, timeout_s: float | None) -> float:
+        """Take a slot, waiting in the queue at most `timeout_s`; returns the seconds waited.
+        Raises `Rejected` if the queue is full or the wait timed out."""
+        if self.in_flight < self.max_in_flight and not self._waiters:
+            self.in_flight += 1
+            return 0.0
+        if self.queued >= self.max_queued:
+            raise Rejected("queue_full", f"The server is at capacity ({self.max_in_flight} requests running, "
+                                         f"{self.max_queued} waiting). Please retry later.", self.retry_after_s())
+        start = self._clock()
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait({waiter}, timeout=timeout_s)
+        except BaseException:  # cancelled (client gone, deadline): hand on a slot we were just given
+            if waiter.done() and not waiter.cancelled():
+                self.release()
+            waiter.cancel()
+            self._forget(waiter)
+            raise
+        if not waiter.done():
+            waiter.cancel()
+            self._forget(waiter)
+            raise Rejected("queue_timeout", f"Waited {timeout_s:g} s in the queue without getting a slot. "
+                                            "Please retry later.", self.retry_after_s())
+        return self._clock() - start
+
+    def _forget(self, waiter: asyncio.Future[None]) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+
+    def release(self, held_s: float | None = None) -> None:
+        """Free a slot: handed straight to the first waiter if there is one."""
+        if held_s is not None:
+            self._service_s = 0.9 * self._service_s + 0.1 * held_s
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.in_flight = max(0, self.in_flight - 1)

@@ -1,0 +1,343 @@
+"""The edge of every HTTP request, as one ASGI middleware: request id, shutdown, auth, body size, rate
+limits, admission, deadline, metrics and the access log. Routes stay thin: they read the per-request
+`RequestContext` from `request.state.ctx` (deadline, token reservation) and record usage on it.
+
+Order for a generation request (POST /v1/chat/completions, /v1/completions):
+  draining? 503 -> API key? 401 -> body over the limit? 413 -> requests/min? 429 -> a slot (queue,
+  bounded)? 429 -> the route (tokens/min reserved there, once prompt and max_tokens are known: 429)
+and the slot is held until the response has been sent in full, a stream until its last byte (or until
+the client went away). Health endpoints are always open; /metrics is open unless `metrics_require_key`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from frontend import access_log
+from frontend.admission import AdmissionGate, RateLimiter, Rejected, TokenReservation
+from frontend.auth import ANONYMOUS, KeyStore, bearer_token
+from frontend.deadlines import Deadline, Deadlines
+from frontend.errors import (OpenAIError, invalid_api_key, invalid_request, payload_too_large, service_unavailable,
+                             too_many_requests)
+from frontend.metrics import CONTENT_TYPE_LATEST, Metrics
+from frontend.settings import Settings
+
+log = logging.getLogger("frontend")
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+HEALTH_PATHS = ("/health/live", "/health/ready")
+KNOWN_ROUTES = GENERATION_PATHS + HEALTH_PATHS + ("/v1/models", "/tokenize", "/detokenize", "/metrics")
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+def route_label(path: str) -> str:
+    """A bounded set of label values (clients choose paths; metrics must not grow with them)."""
+    if path in KNOWN_ROUTES:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model_id}"
+    return "unmatched"
+
+
+@dataclass
+class RequestContext:
+    """What the edge and the route know about one request; `request.state.ctx` in routes."""
+
+    request_id: str
+    route: str
+    method: str
+    started: float  # time.monotonic() at arrival
+    key_id: str = ANONYMOUS
+    deadline: Deadline | None = None
+    queue_s: float | None = None
+    status: int | None = None
+    finish_reason: str | None = None  # for generation: stop/length (the last choice's), or how it ended
+    prompt_tokens: int = 0
+    usage: Any = None  # the route's UsageCounter, read at the end (completion tokens so far)
+    ttft_s: float | None = None
+    reservation: TokenReservation | None = None
+    prompt_text: list[str] | None = None  # only with log_prompts
+    completion_text: list[str] | None = None
+    edge: "Edge | None" = field(default=None, repr=False)
+
+    def reserve_tokens(self, tokens: int) -> None:
+        """Tokens per minute: reserve prompt + max_tokens now (429 if over), settled at the end."""
+        if self.edge is None:
+            return
+        try:
+            self.reservation = self.edge.limiter.reserve_tokens(self.key_id, tokens)
+        except Rejected as exc:
+            self.edge.metrics.rejected.labels(exc.reason).inc()
+            raise too_many_requests(exc.message, exc.retry_after_s, "tokens", "rate_limit_exceeded") from None
+
+    def record_finish(self, reason: str | None) -> None:
+        if reason is not None:
+            self.finish_reason = reason if self.finish_reason in (None, "stop") else self.finish_reason
+
+    @property
+    def completion_tokens(self) -> int:
+        return getattr(self.usage, "completion_tokens", 0) if self.usage is not None else 0
+
+
+class Edge:
+    """The shared state behind the middleware: keys, limits, gate, metrics, deadlines, draining."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.keys = KeyStore(settings.api_keys, settings.api_keys_file)
+        self.limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm)
+        self.gate = AdmissionGate(settings.max_in_flight, settings.max_queued)
+        self.metrics = Metrics()
+        self.metrics.in_flight.set_function(lambda: self.gate.in_flight)
+        self.metrics.queued.set_function(lambda: self.gate.queued)
+        self.deadlines = Deadlines()
+        self.draining = False
+
+    async def drain(self, grace_s: float) -> None:
+        """SIGTERM: refuse new work (503), let what runs finish for `grace_s`, then cancel the rest."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        log.warning("shutting down: refusing new requests; %d in flight, %d queued; grace period %g s",
+                    self.gate.in_flight, self.gate.queued, grace_s)
+        until = loop.time() + grace_s
+        while (self.gate.in_flight or self.gate.queued) and loop.time() < until:
+            await asyncio.sleep(0.05)
+        cancelled = self.deadlines.abort_all("shutdown")
+        if cancelled:
+            log.warning("grace period over: cancelling %d request(s)", cancelled)
+        until = loop.time() + 5.0  # the cancelled ones send their error event and [DONE]
+        while (self.gate.in_flight or self.gate.queued) and loop.time() < until:
+            await asyncio.sleep(0.05)
+
+    def timeout_for(self, headers: dict[str, str]) -> float:
+        """The setting, lowered (never raised) by a valid X-Request-Timeout header in seconds."""
+        timeout = self.settings.request_timeout_s
+        raw = headers.get(TIMEOUT_HEADER)
+        if raw is not None:
+            try:
+                asked = float(raw)
+            except ValueError:
+                raise invalid_request(f"X-Request-Timeout must be a number of seconds, not {raw[:40]!r}",
+                                      "X-Request-Timeout") from None
+            if not asked > 0 or asked != asked or asked == float("inf"):
+                raise invalid_request("X-Request-Timeout must be a positive number of seconds", "X-Request-Timeout")
+            timeout = min(timeout, asked)
+        return timeout
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    return False
+
+
+def check_unicode(body: bytes) -> None:
+    """JSON may escape lone surrogates (`"\\ud800"`), which no tokenizer or UTF-8 response can carry:
+    refuse them with a 400 here instead of failing deep inside. Parsed only when such an escape occurs."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return  # the route answers invalid JSON with its own 400
+    if _has_lone_surrogate(parsed):
+        raise invalid_request("the request contains invalid Unicode: a lone surrogate (\\ud800-\\udfff) "
+                              "that is not part of a pair")
+
+
+async def _read_body(receive: Receive, limit: int) -> tuple[bytes, bool]:
+    """The whole request body (at most `limit` bytes, else _BodyTooLarge), and whether the client left."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b"".join(parts), True
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge()
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts), False
+
+
+def _replay(body: bytes, disconnected: bool, receive: Receive) -> Receive:
+    """A receive that hands the app the body read already, then passes on to the real one."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if disconnected:
+            return {"type": "http.disconnect"}
+        return await receive()
+
+    return replayed
+
+
+class EdgeMiddleware:
+    def __init__(self, app: ASGIApp, edge: Edge):
+        self.app = app
+        self.edge = edge
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        if "x-request-id" not in headers:  # the routes and Triton use the same id as the log
+            scope["headers"] = list(scope.get("headers", [])) + [(b"x-request-id", request_id.encode())]
+        path = scope.get("path", "")
+        ctx = RequestContext(request_id, route_label(path), scope.get("method", ""), time.monotonic(), edge=self.edge)
+        scope.setdefault("state", {})["ctx"] = ctx
+
+        async def send_tracked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                ctx.status = message["status"]
+            await send(message)
+
+        try:
+            await self._handle(ctx, path, headers, scope, receive, send_tracked)
+        except OpenAIError as exc:
+            await exc.response()(scope, receive, send_tracked)
+        except BaseException:
+            if ctx.status is None:
+                ctx.status = 500
+            raise
+        finally:
+            self._finish(ctx)
+
+    def _reject(self, ctx: RequestContext, reason: str, error: OpenAIError) -> OpenAIError:
+        self.edge.metrics.rejected.labels(reason).inc()
+        return error
+
+    async def _handle(self, ctx: RequestContext, path: str, headers: dict[str, str], scope: Scope,
+                      receive: Receive, send: Send) -> None:
+        edge, settings = self.edge, self.edge.settings
+        if path in HEALTH_PATHS:
+            if edge.draining and path == "/health/ready":
+                raise service_unavailable("the server is shutting down")
+            await self.app(scope, receive, send)
+            return
+        is_metrics = path == "/metrics"
+        if edge.draining and not is_metrics:
+            raise self._reject(ctx, "shutting_down", service_unavailable(
+                "the server is shutting down; not accepting new requests"))
+        if edge.keys.enabled and (not is_metrics or settings.metrics_require_key):
+            key_id = edge.keys.verify(bearer_token(headers.get("authorization")))
+            if key_id is None:
+                missing = bearer_token(headers.get("authorization")) is None
+                raise self._reject(ctx, "unauthorized", invalid_api_key(
+                    "You didn't provide an API key. Provide it as 'Authorization: Bearer <key>'." if missing
+                    else "Incorrect API key provided."))
+            ctx.key_id = key_id
+        if is_metrics and scope.get("method") in ("GET", "HEAD"):
+            await Response(edge.metrics.render(), media_type=CONTENT_TYPE_LATEST)(scope, receive, send)
+            return
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            declared = headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > settings.max_body_bytes:
+                raise self._reject(ctx, "body_too_large", payload_too_large(settings.max_body_bytes))
+            try:
+                body, disconnected = await _read_body(receive, settings.max_body_bytes)
+            except _BodyTooLarge:
+                raise self._reject(ctx, "body_too_large", payload_too_large(settings.max_body_bytes)) from None
+            check_unicode(body)
+            receive = _replay(body, disconnected, receive)
+        if not (path in GENERATION_PATHS and scope.get("method") == "POST"):
+            await self.app(scope, receive, send)
+            return
+        await self._generation(ctx, headers, scope, receive, send)
+
+    async def _generation(self, ctx: RequestContext, headers: dict[str, str], scope: Scope, receive: Receive,
+                          send: Send) -> None:
+        edge, settings = self.edge, self.edge.settings
+        try:
+            edge.limiter.check_request(ctx.key_id)
+        except Rejected as exc:
+            raise self._reject(ctx, exc.reason, too_many_requests(
+                exc.message, exc.retry_after_s, "requests", "rate_limit_exceeded")) from None
+        ctx.deadline = deadline = Deadline(edge.timeout_for(headers))
+        edge.deadlines.add(deadline)
+        try:
+            try:
+                ctx.queue_s = await deadline.run(edge.gate.acquire(settings.max_queue_wait_s))
+            except Rejected as exc:
+                raise self._reject(ctx, exc.reason, too_many_requests(exc.message, exc.retry_after_s)) from None
+            edge.metrics.queue_time.labels(ctx.route).observe(ctx.queue_s)
+            admitted = time.monotonic()
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                edge.gate.release(time.monotonic() - admitted)
+        finally:
+            edge.deadlines.discard(deadline)
+
+    def _finish(self, ctx: RequestContext) -> None:
+        edge = self.edge
+        duration = time.monotonic() - ctx.started
+        status = ctx.status or 500
+        if ctx.reservation is not None:
+            edge.limiter.settle(ctx.reservation, ctx.prompt_tokens + ctx.completion_tokens)
+        finish = ctx.finish_reason
+        if finish is None and ctx.route in GENERATION_PATHS:
+            if status == 200:
+                finish = "cancelled"  # a stream whose client went away before the end
+            elif status == 504:
+                finish = "timeout"
+            elif status == 499:
+                finish = "cancelled"
+            elif ctx.deadline is not None and ctx.deadline.reason == "shutdown":
+                finish = "shutdown"
+            elif status >= 500:
+                finish = "error"
+        finish = finish or "none"
+        m = edge.metrics
+        m.requests.labels(ctx.route, str(status), finish).inc()
+        m.duration.labels(ctx.route).observe(duration)
+        if ctx.route in GENERATION_PATHS:
+            if ctx.prompt_tokens:
+                m.prompt_tokens.labels(ctx.route).inc(ctx.prompt_tokens)
+            if ctx.completion_tokens:
+                m.completion_tokens.labels(ctx.route).inc(ctx.completion_tokens)
+        if ctx.route in HEALTH_PATHS or ctx.route == "/metrics":
+            return  # probes and scrapes: metrics only, no log line each
+        fields: dict[str, Any] = {
+            "request_id": ctx.request_id, "method": ctx.method, "route": ctx.route, "status": status,
+            "key_id": ctx.key_id, "duration_s": duration, "queue_s": ctx.queue_s, "ttft_s": ctx.ttft_s,
+            "prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens,
+            "finish_reason": finish if ctx.route in GENERATION_PATHS else None,
+        }
+        if edge.settings.log_prompts and ctx.prompt_text is not None:
+            fields["prompt"] = ctx.prompt_text
+            fields["completion"] = "".join(ctx.completion_text or [])
+        access_log.log_request(fields)

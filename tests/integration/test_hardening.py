@@ -1,0 +1,382 @@
+"""Production hardening against real servers on loopback: API keys (and SIGHUP reload), overload (429 +
+Retry-After, never a hang or a 500), rate limits, body and prompt limits, deadlines, /metrics, the JSON
+access log, HTTPS (and the launcher's https probe), and draining on SIGTERM.
+
+Each frontend here is started with the settings under test against the session stack's Triton."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from launcher import __main__ as launcher
+from launcher.ports import find_free_port
+from tests.integration.conftest import Stack, start_frontend, stop_process, wait_http_ok
+
+pytestmark = pytest.mark.integration
+
+KEY_A, KEY_B, KEY_ENV = "sk-test-alpha-0123456789", "sk-test-bravo-0123456789", "sk-env-charlie-0123456789"
+
+
+@dataclass
+class Frontend:
+    root: str
+    process: subprocess.Popen
+    log: Path
+
+    def log_lines(self) -> list[str]:
+        return self.log.read_text(errors="replace").splitlines()
+
+    def access_records(self) -> list[dict]:
+        records = []
+        for line in self.log_lines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                if record.get("event") == "request":
+                    records.append(record)
+        return records
+
+
+def launch(stack: Stack, log: Path, scheme: str = "http", **env: str) -> Frontend:
+    port = find_free_port()
+    process = start_frontend(stack.triton_grpc_url, port, log, **env)
+    root = f"{scheme}://127.0.0.1:{port}"
+    try:
+        if scheme == "https":
+            deadline = time.monotonic() + 120
+            while True:
+                assert process.poll() is None, log.read_text()
+                try:
+                    if httpx.get(f"{root}/health/ready", verify=False, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline
+                time.sleep(0.3)
+        else:
+            wait_http_ok(f"{root}/health/ready", 120, process)
+    except BaseException:
+        stop_process(process)
+        raise
+    return Frontend(root, process, log)
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def chat_body(stack: Stack, **fields) -> dict:
+    return {"model": stack.model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4, **fields}
+
+
+def assert_error(response: httpx.Response, status: int, code: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def sse_payloads(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.fixture(scope="module")
+def secured(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Frontend, Path]]:
+    """Keys from a file and from the environment, 8 in flight + 8 queued, small body and prompt limits."""
+    tmp = tmp_path_factory.mktemp("secured")
+    keys_file = tmp / "api_keys"
+    keys_file.write_text(f"# test keys\n{KEY_A}\n{KEY_B}\n")
+    frontend = launch(stack, tmp / "frontend.log", API_KEYS_FILE=str(keys_file), API_KEYS=KEY_ENV,
+                      MAX_IN_FLIGHT="8", MAX_QUEUED="8", MAX_BODY_BYTES="20000", MAX_PROMPT_TOKENS="100",
+                      REQUEST_TIMEOUT_S="120")
+    try:
+        yield frontend, keys_file
+    finally:
+        stop_process(frontend.process)
+
+
+# ----- auth -----------------------------------------------------------------------------------------------
+def test_api_keys_no_key_wrong_key_right_key_and_revocation_on_sighup(stack: Stack, secured) -> None:
+    frontend, keys_file = secured
+    url = f"{frontend.root}/v1/chat/completions"
+    error = assert_error(httpx.post(url, json=chat_body(stack), timeout=30), 401, "invalid_api_key")
+    assert error["type"] == "invalid_request_error"
+    assert_error(httpx.post(url, json=chat_body(stack), headers=auth(KEY_A[:-1] + "x"), timeout=30), 401,
+                 "invalid_api_key")
+    assert_error(httpx.post(url, json=chat_body(stack), headers={"Authorization": KEY_A}, timeout=30), 401,
+                 "invalid_api_key")  # not a Bearer header
+    assert_error(httpx.get(f"{frontend.root}/v1/models", timeout=30), 401, "invalid_api_key")
+    for key in (KEY_A, KEY_B, KEY_ENV):
+        response = httpx.post(url, json=chat_body(stack), headers=auth(key), timeout=60)
+        assert response.status_code == 200, response.text
+    assert httpx.get(f"{frontend.root}/v1/models", headers=auth(KEY_A), timeout=30).status_code == 200
+    # health endpoints and (by default) /metrics are open
+    assert httpx.get(f"{frontend.root}/health/live", timeout=10).status_code == 200
+    assert httpx.get(f"{frontend.root}/health/ready", timeout=10).status_code == 200
+    assert httpx.get(f"{frontend.root}/metrics", timeout=10).status_code == 200
+
+    keys_file.write_text(f"{KEY_A}\n")  # revoke B
+    frontend.process.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while httpx.post(url, json=chat_body(stack), headers=auth(KEY_B), timeout=60).status_code != 401:
+        assert time.monotonic() < deadline, "key B still accepted after SIGHUP"
+        time.sleep(0.2)
+    assert httpx.post(url, json=chat_body(stack), headers=auth(KEY_A), timeout=60).status_code == 200
+    assert httpx.post(url, json=chat_body(stack), headers=auth(KEY_ENV), timeout=60).status_code == 200
+    assert frontend.process.poll() is None
+    log = frontend.log.read_text()
+    for key in (KEY_A, KEY_B, KEY_ENV):
+        assert key not in log, "an API key was logged"
+    assert "API keys reloaded" in log
+
+
+# ----- limits ---------------------------------------------------------------------------------------------
+def test_body_size_and_prompt_token_limits_answer_before_triton(stack: Stack, secured) -> None:
+    frontend, _ = secured
+    url = f"{frontend.root}/v1/completions"
+    big = {"model": stack.model, "prompt": "x" * 30000, "max_tokens": 1}
+    assert_error(httpx.post(url, json=big, headers=auth(KEY_A), timeout=30), 413, "request_too_large")
+
+    async def chunked() -> httpx.Response:  # no Content-Length: counted while read
+        async def parts():
+            yield b'{"model": "demo-tiny", "prompt": "'
+            for _ in range(30):
+                yield b"y" * 1000
+            yield b'"}'
+
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await client.post(url, content=parts(), headers={**auth(KEY_A), "Content-Type": "application/json"})
+
+    assert_error(asyncio.run(chunked()), 413, "request_too_large")
+    long_prompt = {"model": stack.model, "prompt": "hello " * 300, "max_tokens": 1}
+    error = assert_error(httpx.post(url, json=long_prompt, headers=auth(KEY_A), timeout=30), 400, "prompt_too_long")
+    assert error["param"] == "prompt" and "100" in error["message"]
+    assert httpx.post(url, json={**long_prompt, "prompt": "hello"}, headers=auth(KEY_A), timeout=60).status_code == 200
+
+
+async def test_overload_64_streams_against_8_in_flight_and_8_queued(stack: Stack, secured) -> None:
+    frontend, _ = secured
+    url = f"{frontend.root}/v1/completions"
+    body = {"model": stack.model, "prompt": "count with me", "max_tokens": 24, "ignore_eos": True, "stream": True}
+
+    async def one(client: httpx.AsyncClient) -> tuple[str, int]:
+        async with client.stream("POST", url, json=body, headers=auth(KEY_A)) as response:
+            raw = (await response.aread()).decode()
+            if response.status_code == 429:
+                assert int(response.headers["Retry-After"]) >= 1
+                assert json.loads(raw)["error"]["code"] == "overloaded"
+                return "429", 429
+            assert response.status_code == 200, raw
+            payloads = sse_payloads(raw)
+            assert payloads[-1] == "[DONE]" and not any("error" in json.loads(p) for p in payloads[:-1]), raw[-500:]
+            finishes = [json.loads(p)["choices"][0].get("finish_reason") for p in payloads[:-1]
+                        if json.loads(p).get("choices")]
+            assert finishes[-1] == "length"
+            return "complete", 200
+
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        started = time.monotonic()
+        outcomes = await asyncio.wait_for(asyncio.gather(*(one(client) for _ in range(64))), 150)
+        took = time.monotonic() - started
+        counts = {kind: sum(1 for k, _ in outcomes if k == kind) for kind in ("complete", "429")}
+        print(f"\noverload: 64 streams vs 8 in flight + 8 queued -> {counts['complete']} complete, "
+              f"{counts['429']} x 429 with Retry-After, 0 other, in {took:.1f} s")
+        assert counts["complete"] + counts["429"] == 64
+        assert counts["complete"] >= 16 and counts["429"] >= 1
+        # and it serves normally afterwards
+        again = await asyncio.gather(*(one(client) for _ in range(8)))
+        assert all(kind == "complete" for kind, _ in again)
+        metrics = (await client.get(f"{frontend.root}/metrics")).text
+    assert re.search(r'tritonllm_requests_rejected_total\{reason="queue_full"\} [1-9]', metrics)
+    assert "tritonllm_requests_in_flight 0.0" in metrics and "tritonllm_requests_queued 0.0" in metrics
+
+
+def test_rate_limits_per_key_requests_and_tokens_per_minute(stack: Stack, tmp_path: Path) -> None:
+    frontend = launch(stack, tmp_path / "frontend.log", API_KEYS=f"{KEY_A},{KEY_B}", RATE_LIMIT_RPM="3",
+                      RATE_LIMIT_TPM="400", METRICS_REQUIRE_KEY="true")
+    url = f"{frontend.root}/v1/completions"
+    body = {"model": stack.model, "prompt": "hello", "max_tokens": 4}
+    try:
+        assert_error(httpx.get(f"{frontend.root}/metrics", timeout=10), 401, "invalid_api_key")
+        assert httpx.get(f"{frontend.root}/metrics", headers=auth(KEY_B), timeout=10).status_code == 200
+        for _ in range(3):
+            assert httpx.post(url, json=body, headers=auth(KEY_A), timeout=60).status_code == 200
+        limited = httpx.post(url, json=body, headers=auth(KEY_A), timeout=60)
+        error = assert_error(limited, 429, "rate_limit_exceeded")
+        assert error["type"] == "requests" and int(limited.headers["Retry-After"]) >= 1
+        # key B has its own budget; a request that can never fit the token budget is refused
+        too_big = httpx.post(url, json={**body, "max_tokens": 450}, headers=auth(KEY_B), timeout=60)
+        assert assert_error(too_big, 429, "rate_limit_exceeded")["type"] == "tokens"
+        # 300 reserved (prompt + max_tokens), about 5 used: the rest comes back, so a second 300 fits
+        assert httpx.post(url, json={**body, "max_tokens": 298}, timeout=60, headers=auth(KEY_B)).status_code == 200
+        assert httpx.post(url, json={**body, "max_tokens": 298}, timeout=60, headers=auth(KEY_B)).status_code == 429
+    finally:
+        stop_process(frontend.process)
+
+
+# ----- deadlines ------------------------------------------------------------------------------------------
+def test_request_timeout_header_cancels_the_triton_request(stack: Stack, secured) -> None:
+    frontend, _ = secured
+    url = f"{frontend.root}/v1/completions"
+    body = {"model": stack.model, "prompt": "go on", "max_tokens": 450, "ignore_eos": True}
+    headers = {**auth(KEY_A), "X-Request-Timeout": "0.5"}
+    started = time.monotonic()
+    response = httpx.post(url, json=body, headers=headers, timeout=30)
+    assert time.monotonic() - started < 5
+    error = assert_error(response, 504, "timeout")
+    assert "0.5" in error["message"]
+    started = time.monotonic()
+    streamed = httpx.post(url, json={**body, "stream": True}, headers=headers, timeout=30)
+    assert time.monotonic() - started < 5 and streamed.status_code == 200
+    payloads = sse_payloads(streamed.text)
+    assert payloads[-1] == "[DONE]" and json.loads(payloads[-2])["error"]["code"] == "timeout"
+    assert_error(httpx.post(url, json=body, headers={**auth(KEY_A), "X-Request-Timeout": "soon"}, timeout=30),
+                 400, None)
+    # the engine let go of both requests: no slot stays busy
+    deadline = time.monotonic() + 10
+    while True:
+        active = re.search(r"^cpu_engine_active_slots\{[^}]*\} (\S+)", httpx.get(stack.triton_metrics_url).text, re.M)
+        if active is None or float(active.group(1)) == 0:
+            break
+        assert time.monotonic() < deadline, "the engine still runs the timed-out requests"
+        time.sleep(0.2)
+
+
+# ----- observability --------------------------------------------------------------------------------------
+def test_metrics_and_one_json_access_log_line_per_request_without_text(stack: Stack, secured) -> None:
+    frontend, _ = secured
+    secret_prompt = "my-secret-prompt-text-42"
+    response = httpx.post(f"{frontend.root}/v1/chat/completions", headers={**auth(KEY_A), "X-Request-Id": "rid-obs-1"},
+                          json=chat_body(stack, messages=[{"role": "user", "content": secret_prompt}], max_tokens=5,
+                                         stream=True, ignore_eos=True), timeout=60)
+    assert response.status_code == 200
+    metrics = httpx.get(f"{frontend.root}/metrics", timeout=10).text
+    for family in ("tritonllm_time_to_first_token_seconds_bucket", "tritonllm_inter_token_latency_seconds_bucket",
+                   "tritonllm_request_duration_seconds_bucket", "tritonllm_request_queue_time_seconds_bucket",
+                   "tritonllm_prompt_tokens_total", "tritonllm_completion_tokens_total",
+                   "tritonllm_requests_in_flight", "tritonllm_requests_queued"):
+        assert family in metrics, family
+    assert re.search(r'tritonllm_requests_total\{finish_reason="length",route="/v1/chat/completions",status="200"\}',
+                     metrics)
+    assert re.search(r'tritonllm_requests_total\{finish_reason="none",route="/v1/chat/completions",status="401"\}',
+                     metrics)
+    deadline = time.monotonic() + 5
+    while not [r for r in frontend.access_records() if r["request_id"] == "rid-obs-1"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    (record,) = [r for r in frontend.access_records() if r["request_id"] == "rid-obs-1"]
+    assert record["route"] == "/v1/chat/completions" and record["status"] == 200
+    assert record["completion_tokens"] == 5 and record["prompt_tokens"] > 0 and record["finish_reason"] == "length"
+    assert record["ttft_s"] > 0 and record["duration_s"] >= record["ttft_s"] and record["queue_s"] >= 0
+    assert len(record["key_id"]) == 8
+    assert secret_prompt not in frontend.log.read_text()
+
+
+# ----- TLS ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    tmp = tmp_path_factory.mktemp("tls")
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_https_and_the_launcher_probe_use_tls(stack: Stack, tmp_path: Path, certificate, monkeypatch) -> None:
+    cert, key = certificate
+    frontend = launch(stack, tmp_path / "frontend.log", scheme="https", SSL_CERTFILE=str(cert), SSL_KEYFILE=str(key))
+    try:
+        response = httpx.post(f"{frontend.root}/v1/chat/completions", json=chat_body(stack), verify=False, timeout=60)
+        assert response.status_code == 200
+        with pytest.raises(httpx.HTTPError):  # plain http is not served
+            httpx.get(frontend.root.replace("https", "http") + "/health/live", timeout=5)
+        monkeypatch.setenv("SSL_CERTFILE", str(cert))
+        monkeypatch.setenv("SSL_KEYFILE", str(key))
+        monkeypatch.setenv("FRONTEND_PORT", frontend.root.rsplit(":", 1)[1])
+        monkeypatch.delenv("API_KEYS", raising=False)
+        monkeypatch.delenv("API_KEYS_FILE", raising=False)
+        cfg = launcher.load_config(launcher.build_parser().parse_args(["serve"]))
+        assert cfg.frontend_base == frontend.root
+        answer = launcher._http_get(f"{cfg.frontend_base}/health/ready")
+        assert answer is not None and answer[0] == 200
+        assert launcher.served_model_id(cfg) == stack.model
+        assert "https://" in launcher.banner(cfg, stack.model)
+    finally:
+        stop_process(frontend.process)
+
+
+# ----- graceful shutdown ----------------------------------------------------------------------------------
+async def test_sigterm_drains_then_cancels_streams_with_an_error_event(stack: Stack, tmp_path: Path) -> None:
+    frontend = launch(stack, tmp_path / "frontend.log", SHUTDOWN_GRACE_S="3")
+    url = f"{frontend.root}/v1/completions"
+    short = {"model": stack.model, "prompt": "short", "max_tokens": 8, "ignore_eos": True, "stream": True}
+    long = {**short, "prompt": "long", "max_tokens": 450}
+
+    async def read(client: httpx.AsyncClient, body: dict, started: asyncio.Event) -> tuple[list[str], float]:
+        payloads = []
+        async with client.stream("POST", url, json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    payloads.append(line[6:])
+                    started.set()
+        return payloads, time.monotonic()
+
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            events = [asyncio.Event() for _ in range(3)]
+            long_streams = [asyncio.create_task(read(client, long, e)) for e in events[:2]]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events[:2])), 30)
+            frontend.process.send_signal(signal.SIGTERM)
+            term = time.monotonic()
+            await asyncio.sleep(0.3)
+            ready = await client.get(f"{frontend.root}/health/ready")
+            assert ready.status_code == 503
+            refused = await client.post(url, json={**short, "stream": False})
+            assert_error(refused, 503, "service_unavailable")
+            results = await asyncio.wait_for(asyncio.gather(*long_streams), 20)
+        for payloads, ended in results:
+            assert 2.5 < ended - term < 10
+            assert payloads[-1] == "[DONE]"
+            assert json.loads(payloads[-2])["error"]["code"] == "service_unavailable"
+        frontend.process.wait(15)
+    finally:
+        stop_process(frontend.process)
+
+
+async def test_sigterm_lets_short_streams_finish(stack: Stack, tmp_path: Path) -> None:
+    frontend = launch(stack, tmp_path / "frontend.log", SHUTDOWN_GRACE_S="20")
+    body = {"model": stack.model, "prompt": "short", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def read() -> str:
+                async with client.stream("POST", f"{frontend.root}/v1/completions", json=body) as response:
+                    return (await response.aread()).decode()
+
+            streams = [asyncio.create_task(read()) for _ in range(3)]
+            await asyncio.sleep(0.5)
+            frontend.process.send_signal(signal.SIGTERM)
+            texts = await asyncio.wait_for(asyncio.gather(*streams), 30)
+        for text in texts:
+            payloads = sse_payloads(text)
+            assert payloads[-1] == "[DONE]" and not any("error" in json.loads(p) for p in payloads[:-1])
+            assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "length"
+        frontend.process.wait(15)  # exits well before the 20 s grace: nothing left in flight
+    finally:
+        stop_process(frontend.process)

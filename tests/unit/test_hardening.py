@@ -1,0 +1,307 @@
+"""Pure pieces of the production hardening: API key store, token buckets, admission gate, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import math
+import statistics
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from frontend import auth
+from frontend.admission import AdmissionGate, RateLimiter, Rejected, TokenBucket
+from frontend.auth import KeyStore, bearer_token
+from frontend.deadlines import Deadline, Deadlines
+from frontend.errors import OpenAIError
+from frontend.middleware import route_label
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+# ----- keys -----------------------------------------------------------------------------------------------
+def test_keys_from_env_and_file_are_stored_as_digests_only(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# ops keys\nsk-file-one\n\n  sk-file-two  \n")
+    store = KeyStore("sk-env-one, sk-env-two,", keys_file)
+    assert len(store) == 4 and store.enabled
+    for key in ("sk-env-one", "sk-env-two", "sk-file-one", "sk-file-two"):
+        assert store.verify(key) == hashlib.sha256(key.encode()).hexdigest()[:8]
+    for wrong in ("sk-env-on", "sk-env-one ", "", "# ops keys", "sk-file-one\n"):
+        assert store.verify(wrong) is None
+    assert store.verify(None) is None
+    stored = vars(store)
+    assert not any("sk-" in repr(value) for value in stored.values()), "plaintext keys must not be kept"
+
+
+def test_reload_revokes_and_adds_keys_and_keeps_env_keys(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("old-key\n")
+    store = KeyStore("env-key", keys_file)
+    keys_file.write_text("new-key\n")
+    assert store.verify("old-key") is not None  # nothing changes before the reload
+    assert store.reload()
+    assert store.verify("old-key") is None and store.verify("new-key") is not None
+    assert store.verify("env-key") is not None
+    keys_file.unlink()
+    assert not store.reload()  # unreadable: the keys loaded before stay
+    assert store.verify("new-key") is not None
+
+
+def test_no_keys_means_disabled_but_an_empty_keys_file_means_nobody_gets_in(tmp_path: Path) -> None:
+    assert not KeyStore(None, None).enabled and not KeyStore(" , ", None).enabled
+    empty = tmp_path / "keys"
+    empty.write_text("\n")
+    store = KeyStore(None, empty)
+    assert store.enabled and store.verify("anything") is None
+    with pytest.raises(FileNotFoundError):
+        KeyStore(None, tmp_path / "missing")
+
+
+def test_bearer_token_parsing() -> None:
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token("bearer   abc ") == "abc"
+    assert bearer_token("Basic abc") is None
+    assert bearer_token("Bearer ") is None
+    assert bearer_token(None) is None and bearer_token("") is None
+
+
+def test_compare_is_constant_time_on_fixed_length_digests_against_every_key() -> None:
+    store = KeyStore("k1-" + "a" * 40 + ",k2-" + "b" * 40 + ",k3-" + "c" * 40)
+    calls: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        calls.append((a, b))
+        return real(a, b)
+
+    with mock.patch.object(auth.hmac, "compare_digest", side_effect=spy):
+        for presented in ("k1-" + "a" * 40, "k1-" + "a" * 39 + "x", "x", "z" * 1000):
+            calls.clear()
+            store.verify(presented)
+            assert len(calls) == 3  # every stored key, whether or not one matched (no early exit)
+            assert all(isinstance(a, bytes) and len(a) == 32 and len(b) == 32 for a, b in calls)
+
+
+def test_wrong_key_timing_does_not_depend_on_the_matching_prefix() -> None:
+    """Coarse: a wrong key sharing 63 of 64 characters with a real key takes as long as one sharing none."""
+    real_key = "sk-" + "q" * 61
+    store = KeyStore(real_key)
+    near, far = real_key[:-1] + "x", "x" * len(real_key)
+
+    def batch_ns(key: str) -> int:
+        start = time.perf_counter_ns()
+        for _ in range(2000):
+            store.verify(key)
+        return time.perf_counter_ns() - start
+
+    batch_ns(near), batch_ns(far)  # warm up
+    near_ns, far_ns = [], []
+    for _ in range(9):  # interleaved, so that noise from other processes hits both alike
+        near_ns.append(batch_ns(near))
+        far_ns.append(batch_ns(far))
+    ratio = min(near_ns) / min(far_ns)
+    assert 0.5 < ratio < 2.0, ratio  # the digests differ from the first byte either way
+
+
+# ----- rate limits ----------------------------------------------------------------------------------------
+def test_token_bucket_refills_continuously_and_says_when_to_retry() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(60, 1.0, clock)
+    assert bucket.take(60) == 0
+    assert bucket.take(1) == pytest.approx(1.0)
+    clock.advance(0.5)
+    assert bucket.take(1) == pytest.approx(0.5)
+    clock.advance(0.5)
+    assert bucket.take(1) == 0
+    assert math.isinf(bucket.take(61))
+    clock.advance(1000)
+    assert bucket.tokens == 60  # never above capacity
+    bucket.give_back(10)
+    assert bucket.tokens == 60
+
+
+def test_requests_per_minute_per_key() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(requests_per_minute=3, clock=clock)
+    for _ in range(3):
+        limiter.check_request("a")
+    with pytest.raises(Rejected) as raised:
+        limiter.check_request("a")
+    assert raised.value.reason == "requests_per_minute" and raised.value.retry_after_s == pytest.approx(20)
+    limiter.check_request("b")  # another key has its own bucket
+    clock.advance(20)
+    limiter.check_request("a")
+
+
+def test_tokens_per_minute_reserve_up_front_and_settle_with_actual_usage() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(tokens_per_minute=1000, clock=clock)
+    first = limiter.reserve_tokens("k", 600)  # prompt 100 + max_tokens 500
+    with pytest.raises(Rejected) as raised:
+        limiter.reserve_tokens("k", 600)
+    assert raised.value.reason == "tokens_per_minute"
+    assert raised.value.retry_after_s == pytest.approx(200 / (1000 / 60))
+    limiter.settle(first, 150)  # it used 150: 450 come back
+    limiter.settle(first, 150)  # settling twice gives nothing more
+    second = limiter.reserve_tokens("k", 800)
+    assert second.reserved == 800
+    with pytest.raises(Rejected) as too_big:
+        limiter.reserve_tokens("other", 1001)
+    assert "Request too large" in too_big.value.message and too_big.value.retry_after_s == 60
+
+
+def test_no_limits_configured_never_rejects() -> None:
+    limiter = RateLimiter()
+    for _ in range(10_000):
+        limiter.check_request("k")
+    limiter.settle(limiter.reserve_tokens("k", 10**9), 5)
+
+
+# ----- admission gate -------------------------------------------------------------------------------------
+async def test_gate_admits_queues_in_order_and_refuses_past_the_queue() -> None:
+    gate = AdmissionGate(max_in_flight=2, max_queued=2)
+    assert await gate.acquire(1) == 0 and await gate.acquire(1) == 0
+    order: list[int] = []
+
+    async def waiter(i: int) -> None:
+        await gate.acquire(5)
+        order.append(i)
+
+    waiters = [asyncio.create_task(waiter(i)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    assert gate.in_flight == 2 and gate.queued == 2
+    with pytest.raises(Rejected) as raised:
+        await gate.acquire(5)
+    assert raised.value.reason == "queue_full" and raised.value.retry_after_s >= 1
+    gate.release(0.1)
+    gate.release(0.1)
+    await asyncio.gather(*waiters)
+    assert order == [0, 1] and gate.in_flight == 2 and gate.queued == 0
+    gate.release()
+    gate.release()
+    assert gate.in_flight == 0
+
+
+async def test_gate_queue_wait_is_bounded_and_a_cancelled_waiter_gives_its_place_back() -> None:
+    gate = AdmissionGate(max_in_flight=1, max_queued=4)
+    await gate.acquire(None)
+    with pytest.raises(Rejected) as raised:
+        await gate.acquire(0.05)
+    assert raised.value.reason == "queue_timeout" and gate.queued == 0
+    cancelled = asyncio.create_task(gate.acquire(10))
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    await asyncio.gather(cancelled, return_exceptions=True)
+    assert gate.queued == 0
+    later = asyncio.create_task(gate.acquire(10))
+    await asyncio.sleep(0.01)
+    gate.release()
+    assert await later == pytest.approx(0, abs=0.5)
+    gate.release()
+    assert gate.in_flight == 0
+
+
+async def test_gate_slot_handed_to_a_waiter_that_is_cancelled_at_once_is_not_lost() -> None:
+    gate = AdmissionGate(max_in_flight=1, max_queued=1)
+    await gate.acquire(None)
+    waiter = asyncio.create_task(gate.acquire(10))
+    await asyncio.sleep(0.01)
+    gate.release()  # handed over to the waiter...
+    waiter.cancel()  # ...which is cancelled before it runs
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert gate.in_flight == 0 and gate.queued == 0
+    assert await gate.acquire(0.1) == 0
+
+
+# ----- deadlines ------------------------------------------------------------------------------------------
+async def test_deadline_cancels_the_work_and_raises_a_timeout_error() -> None:
+    cancelled = asyncio.Event()
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    deadline = Deadline(0.05)
+    with pytest.raises(OpenAIError) as raised:
+        await deadline.run(slow())
+    assert cancelled.is_set()
+    assert raised.value.status == 504 and raised.value.code == "timeout"
+    with pytest.raises(OpenAIError):  # once expired, later work fails at once
+        await deadline.run(asyncio.sleep(0))
+    assert await Deadline(None).run(asyncio.sleep(0, "ok")) == "ok"
+    assert await Deadline(5).run(asyncio.sleep(0, "ok")) == "ok"
+
+
+async def test_abort_all_ends_running_work_with_a_shutdown_error() -> None:
+    registry = Deadlines()
+    deadline = Deadline(60)
+    registry.add(deadline)
+    task = asyncio.create_task(deadline.run(asyncio.sleep(10)))
+    await asyncio.sleep(0.01)
+    assert registry.abort_all() == 1
+    with pytest.raises(OpenAIError) as raised:
+        await task
+    assert raised.value.status == 503 and raised.value.code == "service_unavailable"
+
+
+async def test_a_cancel_from_outside_is_not_turned_into_a_timeout() -> None:
+    task = asyncio.create_task(Deadline(60).run(asyncio.sleep(10)))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_route_labels_are_bounded() -> None:
+    assert route_label("/v1/chat/completions") == "/v1/chat/completions"
+    assert route_label("/v1/models/demo-tiny") == "/v1/models/{model_id}"
+    assert route_label("/random/" + "x" * 100) == "unmatched"
+
+
+def test_lone_surrogates_are_refused_but_pairs_and_plain_text_pass() -> None:
+    from frontend.middleware import check_unicode
+    check_unicode(b'{"prompt": "plain text, no escapes"}')
+    check_unicode(b'{"prompt": "\\ud83d\\ude42 an emoji as a pair"}')
+    check_unicode(b'{"prompt": "\\ud800 but broken JSON')  # the route's JSON error answers this one
+    for body in (b'{"model": "\\ud800"}', b'{"x": ["\\uDFFF"]}', b'{"\\udc00": 1}'):
+        with pytest.raises(OpenAIError) as raised:
+            check_unicode(body)
+        assert raised.value.status == 400
+
+
+def test_launcher_forwards_sighup_to_the_frontend_and_keeps_running(monkeypatch) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from launcher import __main__ as launcher
+    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                              "signal.signal(signal.SIGHUP, lambda *a: sys.exit(7))\n"
+                              "print('ready', flush=True)\ntime.sleep(30)"], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"ready"
+        monkeypatch.setattr(launcher, "_frontend_pid", child.pid)
+        launcher._forward_hup(signal.SIGHUP, None)  # no _Shutdown raised: the launcher keeps going
+        assert child.wait(10) == 7
+        monkeypatch.setattr(launcher, "_frontend_pid", None)
+        launcher._forward_hup(signal.SIGHUP, None)  # before the frontend exists: nothing happens
+    finally:
+        child.kill()
+        child.wait()
