@@ -188,7 +188,9 @@ class TritonServer:
         if self._proc is not None:
             raise RuntimeError("TritonServer already started")
         argv = self.command()
-        env = {**os.environ, **self.install.env}
+        # OpenMP threads that spin while waiting steal the cores the frontend and Triton itself need on a
+        # small CPU box; measured here (2 cores, concurrency 16): 49 tok/s spinning, 84 default, 89 passive.
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **self.install.env}
         self._log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self._log_file, "wb") as log:
             self._proc = subprocess.Popen(
