@@ -221,9 +221,10 @@ def test_rate_limits_per_key_requests_and_tokens_per_minute(stack: Stack, tmp_pa
         # key B has its own budget; a request that can never fit the token budget is refused
         too_big = httpx.post(url, json={**body, "max_tokens": 450}, headers=auth(KEY_B), timeout=60)
         assert assert_error(too_big, 429, "rate_limit_exceeded")["type"] == "tokens"
-        # 300 reserved (prompt + max_tokens), about 5 used: the rest comes back, so a second 300 fits
-        assert httpx.post(url, json={**body, "max_tokens": 298}, timeout=60, headers=auth(KEY_B)).status_code == 200
-        assert httpx.post(url, json={**body, "max_tokens": 298}, timeout=60, headers=auth(KEY_B)).status_code == 429
+        # 300 reserved (prompt + max_tokens) and all of it used (ignore_eos): a second 300 does not fit
+        full = {**body, "max_tokens": 298, "ignore_eos": True}
+        assert httpx.post(url, json=full, timeout=60, headers=auth(KEY_B)).status_code == 200
+        assert httpx.post(url, json=full, timeout=60, headers=auth(KEY_B)).status_code == 429
     finally:
         stop_process(frontend.process)
 
