@@ -100,36 +100,39 @@ class EngineStats:
 class PrefillBudget:
     """How many prompt tokens a step may read while other sequences are decoding.
 
-    A step's time is about a decode step's (reading the weights once) plus a cost per prompt token. To
-    keep the decoding streams' inter-token latency within `ratio` times a plain decode step, the budget
-    is (ratio - 1) x decode-step time / per-token prefill cost, both learned from the steps themselves
-    (moving averages), so it fits whatever machine and model it runs on.
+    A feedback controller on what matters, the decoding streams' inter-token latency: after each step
+    that read prompt tokens while others decoded, compare its time with a plain decode step (moving
+    average). Over `ratio`, shrink the budget in proportion; with room to spare, grow by a quarter. It learns
+    whatever machine and model it runs on, and a noisy measurement can only move it one step's worth.
     """
 
-    MIN_TOKENS = 16
+    INITIAL_TOKENS = 32
+    MIN_TOKENS = 8
+    GROWTH = 1.25
     SMOOTHING = 0.2
 
     def __init__(self, ratio: float):
         self.ratio = ratio
         self.decode_step_s: float | None = None
-        self.prefill_token_s: float | None = None
+        self.budget = self.INITIAL_TOKENS
 
     def observe(self, seconds: float, decode_tokens: int, prefill_tokens: int) -> None:
+        if not decode_tokens:
+            return
         if prefill_tokens == 0:
-            if decode_tokens:
-                self.decode_step_s = self._ema(self.decode_step_s, seconds)
-        elif self.decode_step_s is not None:
-            per_token = max(seconds - self.decode_step_s, 0.0) / prefill_tokens
-            self.prefill_token_s = self._ema(self.prefill_token_s, per_token)
+            old = self.decode_step_s
+            self.decode_step_s = seconds if old is None else old + self.SMOOTHING * (seconds - old)
+            return
+        if self.decode_step_s is None:
+            return
+        slowdown = seconds / self.decode_step_s
+        if slowdown > self.ratio:
+            self.budget = max(self.MIN_TOKENS, int(prefill_tokens * self.ratio / slowdown))
+        elif prefill_tokens >= self.budget and slowdown * self.GROWTH <= self.ratio:  # room to grow
+            self.budget = int(self.budget * self.GROWTH) + 1
 
     def tokens(self) -> int:
-        if self.decode_step_s is None or not self.prefill_token_s:
-            return self.MIN_TOKENS * 4  # until both costs are known
-        allowed = (self.ratio - 1.0) * self.decode_step_s / self.prefill_token_s
-        return max(self.MIN_TOKENS, int(allowed))
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.SMOOTHING * (new - old)
+        return self.budget
 
 
 class Scheduler:

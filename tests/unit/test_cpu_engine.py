@@ -201,14 +201,22 @@ def test_logprobs_are_the_models_own_and_top_alternatives_are_sorted(checkpoint:
 
 
 def test_prefill_budget_keeps_decode_steps_within_the_ratio() -> None:
+    def step_time(prompt_tokens: int, per_token: float) -> float:
+        return 0.040 + prompt_tokens * per_token  # a 40 ms decode step plus each prompt token's cost
+
     budget = PrefillBudget(ratio=2.0)
-    assert budget.tokens() == 4 * PrefillBudget.MIN_TOKENS  # nothing measured yet
-    for _ in range(20):
-        budget.observe(0.040, decode_tokens=16, prefill_tokens=0)  # plain decode step: 40 ms
-        budget.observe(0.040 + 64 * 0.002, decode_tokens=16, prefill_tokens=64)  # 2 ms per prompt token
-    assert budget.tokens() == pytest.approx(20, abs=1)  # (2 - 1) x 40 ms / 2 ms
-    for _ in range(20):
-        budget.observe(0.040 + 64 * 0.0001, decode_tokens=16, prefill_tokens=64)  # cheap prompt tokens
+    for _ in range(5):
+        budget.observe(step_time(0, 0), decode_tokens=16, prefill_tokens=0)
+    for _ in range(40):
+        n = budget.tokens()
+        budget.observe(step_time(n, 0.002), decode_tokens=16, prefill_tokens=n)
+    assert 10 <= budget.tokens() <= 25  # (2 - 1) x 40 ms / 2 ms = 20
+    assert step_time(budget.tokens(), 0.002) / 0.040 <= 2.3
+    budget.observe(step_time(2000, 0.002), decode_tokens=16, prefill_tokens=2000)  # one outlier step
+    assert budget.tokens() >= PrefillBudget.MIN_TOKENS
+    for _ in range(40):
+        n = budget.tokens()
+        budget.observe(step_time(n, 0.00005), decode_tokens=16, prefill_tokens=n)  # cheap prompt tokens
     assert budget.tokens() > 300
 
 
