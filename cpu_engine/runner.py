@@ -53,7 +53,8 @@ SMALL_BATCH_ROWS = 128
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if x.shape[0] > SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t()
+    # Back to row-major: later ops (attention's fast kernel above all) need a contiguous last dimension.
+    out = torch.mm(weight, x.t()).t().contiguous()
     return out if bias is None else out + bias
 
 
@@ -164,9 +165,9 @@ class LlamaRunner:
 
         for layer_idx, layer in enumerate(self.layers):
             qkv = _linear(layer.input_norm(hidden), layer.qkv_weight, layer.qkv_bias)
-            q = qkv[:, :self.q_size].reshape(num_tokens, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
