@@ -101,9 +101,10 @@ class PrefillBudget:
     """How many prompt tokens a step may read while other sequences are decoding.
 
     A feedback controller on what matters, the decoding streams' inter-token latency: after each step
-    that read prompt tokens while others decoded, compare its time with a plain decode step (moving
-    average). Over `ratio`, shrink the budget in proportion; with room to spare, grow by a quarter. It learns
-    whatever machine and model it runs on, and a noisy measurement can only move it one step's worth.
+    that read prompt tokens while others decoded, compare its time with a plain decode step of about as
+    many sequences (moving averages per batch size). Over `ratio`, shrink the budget in proportion; with
+    room to spare, or with no comparable plain step seen yet (busy servers rarely run one), grow by a
+    quarter. It learns whatever machine and model it runs on, and one noisy step moves it one step's worth.
     """
 
     INITIAL_TOKENS = 32
@@ -113,19 +114,25 @@ class PrefillBudget:
 
     def __init__(self, ratio: float):
         self.ratio = ratio
-        self.decode_step_s: float | None = None
+        self.decode_step_s: dict[int, float] = {}  # decoding sequences -> plain step time
         self.budget = self.INITIAL_TOKENS
+
+    def baseline(self, decode_tokens: int) -> float | None:
+        """A plain step's time for about this many sequences; a much smaller batch would understate it."""
+        known = [n for n in self.decode_step_s if n >= 0.75 * decode_tokens]
+        if not known:
+            return None
+        return self.decode_step_s[min(known, key=lambda n: abs(n - decode_tokens))]
 
     def observe(self, seconds: float, decode_tokens: int, prefill_tokens: int) -> None:
         if not decode_tokens:
             return
         if prefill_tokens == 0:
-            old = self.decode_step_s
-            self.decode_step_s = seconds if old is None else old + self.SMOOTHING * (seconds - old)
+            old = self.decode_step_s.get(decode_tokens)
+            self.decode_step_s[decode_tokens] = seconds if old is None else old + self.SMOOTHING * (seconds - old)
             return
-        if self.decode_step_s is None:
-            return
-        slowdown = seconds / self.decode_step_s
+        baseline = self.baseline(decode_tokens)
+        slowdown = seconds / baseline if baseline else 0.0
         if slowdown > self.ratio:
             self.budget = max(self.MIN_TOKENS, int(prefill_tokens * self.ratio / slowdown))
         elif prefill_tokens >= self.budget and slowdown * self.GROWTH <= self.ratio:  # room to grow

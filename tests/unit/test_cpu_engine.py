@@ -218,6 +218,10 @@ def test_prefill_budget_keeps_decode_steps_within_the_ratio() -> None:
         n = budget.tokens()
         budget.observe(step_time(n, 0.00005), decode_tokens=16, prefill_tokens=n)  # cheap prompt tokens
     assert budget.tokens() > 300
+    unknown = PrefillBudget(ratio=2.0)
+    unknown.observe(0.020, decode_tokens=1, prefill_tokens=0)  # only a 1-sequence plain step seen
+    unknown.observe(0.500, decode_tokens=16, prefill_tokens=unknown.tokens())  # no comparable baseline
+    assert unknown.tokens() > PrefillBudget.INITIAL_TOKENS  # grows rather than starving prompts
 
 
 def test_long_prompt_is_read_in_chunks_while_others_decode(checkpoint: Path) -> None:
