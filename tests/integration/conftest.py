@@ -8,14 +8,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import openai
 import pytest
 
+from benchmarks.servers import stop_process, wait_http_ok
 from launcher.ports import find_free_port
 from launcher.tritonserver import TritonServer
 
@@ -33,36 +33,11 @@ class Stack:
     context_length: int
 
 
-def wait_http_ok(url: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"process exited with {process.returncode} while waiting for {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
-
-
 def start_frontend(triton_grpc_url: str, port: int, log_file: Path, **env: str) -> subprocess.Popen:
     environment = {**os.environ, "FRONTEND_HOST": "127.0.0.1", "FRONTEND_PORT": str(port),
                    "TRITON_GRPC_URL": triton_grpc_url, **env}
     return subprocess.Popen([sys.executable, "-m", "frontend"], env=environment, cwd=REPO_ROOT,
                             stdout=log_file.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_process(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="session")
@@ -95,3 +70,13 @@ def stack(built_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         if frontend is not None:
             stop_process(frontend)
         triton.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def async_client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)

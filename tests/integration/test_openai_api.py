@@ -16,16 +16,6 @@ from tests.integration.conftest import Stack
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def async_client(stack: Stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
 def sse_events(body: str) -> list[str]:
     """Split a raw SSE body on blank lines, checking every event is exactly one `data: ` line."""
     assert body.endswith("\n\n")

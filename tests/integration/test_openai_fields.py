@@ -23,16 +23,6 @@ from tests.integration.test_openai_api import sse_events
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def async_client(stack: Stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
 def engine_gauge(stack: Stack, name: str) -> float:
     text = httpx.get(stack.triton_metrics_url, timeout=10).text
     match = re.search(rf'^{name}{{[^}}]*}} ([0-9.e+-]+)$', text, re.M)
