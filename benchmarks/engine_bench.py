@@ -6,7 +6,8 @@
 2. floor: serial `model.generate`, one request at a time (what a naive server does);
 3. the whole stack, OpenAI frontend -> Triton -> engine, at concurrency 1, 4, 16, 32 (64 output tokens);
 4. chunked prefill: while 15 streams decode, a 1,500-token prompt arrives; the streams' inter-token
-   latency p99 during its prefill against their p50.
+   latency p99 during its prefill against their p50, token by token from raw Triton (what the engine
+   does), then text chunk by text chunk through the frontend (what an OpenAI client sees).
 
 Every figure comes from this run, so the ratios compare like with like on a shared, noisy machine.
 """
@@ -22,13 +23,14 @@ from pathlib import Path
 
 import httpx
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks import servers
-from benchmarks.loadgen import DEFAULT_PROMPTS, percentile, run_level
+from benchmarks.loadgen import DEFAULT_PROMPTS, TritonTarget, percentile, run_level
 
 DECODE_STEPS = 48
 OUTPUT_TOKENS = 64
+LONG_PROMPT, STREAMS = 1500, 15  # the chunked-prefill scenario
 
 
 def load_model(checkpoint: Path, dtype: str) -> torch.nn.Module:
@@ -75,26 +77,49 @@ async def chunk_times(client: httpx.AsyncClient, base_url: str, model: str, prom
     return sent, times
 
 
-async def chunked_prefill(base_url: str, model: str, long_prompt_tokens: int, streams: int) -> dict:
-    """ITL of `streams` decoding streams, inside and outside the window where a long prompt is read."""
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams + 4)) as client:
-        decoders = [asyncio.create_task(chunk_times(client, base_url, model, f"stream {i}:", 400))
-                    for i in range(streams)]
-        await asyncio.sleep(2.0)  # let them reach steady decoding
-        long_prompt = [(17 * i) % 3900 + 20 for i in range(long_prompt_tokens)]
-        sent, long_times = await chunk_times(client, base_url, model, long_prompt, 4)
-        results = await asyncio.gather(*decoders)
-    prefill_end = long_times[0]
+def long_prompt_ids(tokens: int) -> list[int]:
+    return [(17 * i) % 3900 + 20 for i in range(tokens)]
+
+
+def interference(sent: float, prefill_end: float, streams: list[list[float]]) -> dict:
+    """ITL p50 of the streams outside the window [sent, prefill_end] and p99 inside it."""
     inside, outside = [], []
-    for _, times in results:
+    for times in streams:
         for before, after in zip(times, times[1:]):
-            gap = after - before
-            (inside if after > sent and before < prefill_end else outside).append(gap)
-    return {"streams": streams, "long_prompt_tokens": long_prompt_tokens,
-            "prefill_s": round(prefill_end - sent, 3),
+            (inside if after > sent and before < prefill_end else outside).append(after - before)
+    return {"prefill_s": round(prefill_end - sent, 3),
             "itl_p50_ms_outside_prefill": round(percentile(outside, 50) * 1000, 2),
             "itl_p99_ms_during_prefill": round(percentile(inside, 99) * 1000, 2),
             "ratio_p99_during_to_p50": round(percentile(inside, 99) / percentile(outside, 50), 2)}
+
+
+async def chunked_prefill_triton(grpc_url: str, tokenizer: object, long_prompt_tokens: int, streams: int) -> dict:
+    """Token by token, as the engine sends them (raw Triton gRPC: one response per token)."""
+    decoding, long_one = TritonTarget(grpc_url, tokenizer, 400), TritonTarget(grpc_url, tokenizer, 4)
+    await decoding.open(streams)
+    await long_one.open(1)
+    try:
+        decoders = [asyncio.create_task(decoding.request(f"stream {i}:")) for i in range(streams)]
+        await asyncio.sleep(2.0)  # let them reach steady decoding
+        long_timing = await long_one.request_ids(long_prompt_ids(long_prompt_tokens))
+        results = await asyncio.gather(*decoders)
+    finally:
+        await decoding.close()
+        await long_one.close()
+    return interference(long_timing.start, long_timing.token_times[0], [r.token_times for r in results])
+
+
+async def chunked_prefill_sse(base_url: str, model: str, long_prompt_tokens: int, streams: int) -> dict:
+    """Text chunk by text chunk, as an OpenAI client sees them. A token that ends inside a UTF-8
+    character (frequent with random weights and byte-level BPE) has no text yet and travels with the
+    next one, so these gaps are often two steps long: compare with the token-level figures."""
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams + 4)) as client:
+        decoders = [asyncio.create_task(chunk_times(client, base_url, model, f"stream {i}:", 400))
+                    for i in range(streams)]
+        await asyncio.sleep(2.0)
+        sent, long_times = await chunk_times(client, base_url, model, long_prompt_ids(long_prompt_tokens), 4)
+        results = await asyncio.gather(*decoders)
+    return interference(sent, long_times[0], [times for _, times in results])
 
 
 async def stack_levels(base_url: str, model: str, concurrencies: list[int], quick: bool) -> list[dict]:
@@ -134,7 +159,11 @@ def main(argv: list[str] | None = None) -> None:
         with servers.triton(args.engine_dir / "model_repository", args.engine_dir, Path(logs)) as triton:
             with servers.frontend(triton.grpc_url, Path(logs)) as base_url:
                 rows = asyncio.run(stack_levels(base_url, model_name, concurrencies, args.quick))
-                prefill = asyncio.run(chunked_prefill(base_url, model_name, 1500, 15))
+                tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+                prefill = {"tokens_via_triton": asyncio.run(
+                               chunked_prefill_triton(triton.grpc_url, tokenizer, LONG_PROMPT, STREAMS)),
+                           "text_chunks_via_frontend": asyncio.run(
+                               chunked_prefill_sse(base_url, model_name, LONG_PROMPT, STREAMS))}
 
     by_c = {row["concurrency"]: row for row in rows}
     ratios = {
@@ -151,7 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nceiling batch 1: {ceiling[1]:.1f} tok/s; batch 16: {ceiling[16]:.1f} tok/s; floor: {floor:.1f} tok/s")
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}")
-    print(f"chunked prefill: {prefill}")
+    print(f"chunked prefill ({STREAMS} streams decoding, a {LONG_PROMPT}-token prompt arrives):")
+    for how, figures in prefill.items():
+        print(f"  {how}: {figures}")
     if args.json:
         args.json.write_text(json.dumps({"ceiling": ceiling, "floor": floor, "stack": rows, "ratios": ratios,
                                          "chunked_prefill": prefill}, indent=2))

@@ -250,12 +250,16 @@ class TritonTarget:
         ]
 
     async def request(self, prompt: str) -> RequestTiming:
-        import tritonclient.grpc.aio as grpcclient
-
-        assert self._client is not None, "open() first"
         ids = self._ids.get(prompt)
         if ids is None:
             ids = self._ids[prompt] = chat_ids(self.tokenizer, prompt)
+        return await self.request_ids(ids)
+
+    async def request_ids(self, ids: list[int]) -> RequestTiming:
+        """One streaming request for these prompt token ids; one timestamp per token the engine sends."""
+        import tritonclient.grpc.aio as grpcclient
+
+        assert self._client is not None, "open() first"
         request = {"model_name": self.model_name, "inputs": self._inputs(ids),
                    "outputs": [grpcclient.InferRequestedOutput("output_ids")]}
 

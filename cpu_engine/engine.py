@@ -51,7 +51,16 @@ class Engine:
     def from_config(cls, config: EngineConfig, **kwargs: object) -> "Engine":
         configure_threads(config.num_threads)
         runner = LlamaRunner(config)
-        return cls(Scheduler(runner, config.max_num_tokens), **kwargs)
+        scheduler = Scheduler(runner, config.max_num_tokens)
+        with torch.inference_mode():  # measure this machine before the first request
+            scheduler.calibrate()
+        return cls(scheduler, **kwargs)
+
+    def describe(self) -> str:
+        """What calibration measured, for the server log."""
+        steps = ", ".join(f"{n}: {s * 1000:.0f} ms"
+                          for n, s in sorted(self.scheduler.prefill_budget.costs.decode_step_s.items()))
+        return f"CPU engine: {torch.get_num_threads()} threads; plain decode step by batch size {{{steps}}}"
 
     def start(self) -> None:
         self._thread.start()

@@ -97,49 +97,94 @@ class EngineStats:
     generated_tokens_total: int
 
 
+class StepCosts:
+    """What a step costs on this machine, learned from the steps the engine runs (moving averages).
+
+    A step's time is modelled as a plain decode step of its decoding sequences (measured per batch size,
+    interpolated between sizes seen) plus a cost per prompt token read in the same step (learned from
+    mixed steps as their time beyond that decode step, per prompt token).
+    """
+
+    SMOOTHING = 0.2
+
+    def __init__(self) -> None:
+        self.decode_step_s: dict[int, float] = {}  # decoding sequences -> plain step time
+        self.prompt_token_s: float | None = None
+
+    def decode(self, sequences: int) -> float | None:
+        """A plain decode step of `sequences`: measured, else interpolated or extrapolated linearly."""
+        if sequences in self.decode_step_s:
+            return self.decode_step_s[sequences]
+        sizes = sorted(self.decode_step_s)
+        if not sizes:
+            return None
+        if len(sizes) == 1:
+            return self.decode_step_s[sizes[0]]
+        below = [n for n in sizes if n < sequences]
+        above = [n for n in sizes if n > sequences]
+        lo, hi = (below[-1], above[0]) if below and above else (sizes[-2], sizes[-1]) if below else sizes[:2]
+        slope = (self.decode_step_s[hi] - self.decode_step_s[lo]) / (hi - lo)
+        return max(self.decode_step_s[lo] + slope * (sequences - lo), min(self.decode_step_s.values()))
+
+    def observe(self, seconds: float, decode_tokens: int, prompt_tokens: int) -> None:
+        if not decode_tokens:  # prompt-only steps are not the regime the budget is for
+            return
+        if prompt_tokens == 0:
+            old = self.decode_step_s.get(decode_tokens)
+            self.decode_step_s[decode_tokens] = seconds if old is None else _smooth(old, seconds, self.SMOOTHING)
+            return
+        base = self.decode(decode_tokens)
+        if base is None:
+            return
+        per_token = max(seconds - base, 0.0) / prompt_tokens
+        old = self.prompt_token_s
+        if not old:
+            self.prompt_token_s = per_token
+        else:  # one stalled step (a shared machine has them) raises the average by a fifth at most
+            self.prompt_token_s = _smooth(old, min(per_token, old * 2), self.SMOOTHING)
+
+
+UNLIMITED = 1 << 30
+
+
+def _smooth(old: float, new: float, weight: float) -> float:
+    return old + weight * (new - old)
+
+
 class PrefillBudget:
     """How many prompt tokens a step may read while other sequences are decoding.
 
-    A feedback controller on what matters, the decoding streams' inter-token latency: after each step
-    that read prompt tokens while others decoded, compare its time with a plain decode step of about as
-    many sequences (moving averages per batch size). Over `ratio`, shrink the budget in proportion; with
-    room to spare, or with no comparable plain step seen yet (busy servers rarely run one), grow by a
-    quarter. It learns whatever machine and model it runs on, and one noisy step moves it one step's worth.
+    A step may take up to `ratio` times a plain decode step of the batch being filled (the decoding
+    sequences plus those still reading their prompts), and the prompt tokens it reads are whatever fits
+    in that time by the learned step costs. One long prompt arriving among 15 streams: their tokens come
+    at most `ratio` times slower while it is read. Sixteen prompts arriving at once: the first streams out
+    decode no slower than `ratio` times the full batch will, and the rest of the prompts are read in a few
+    large chunks instead of trickling in behind them. With ratio 2 a prompt is read at half the machine's
+    speed at worst, and streams slow to half speed at worst: the same price for both sides.
+    Until the costs are known it reads INITIAL_TOKENS per step.
     """
 
     INITIAL_TOKENS = 32
     MIN_TOKENS = 8
-    GROWTH = 1.25
-    SMOOTHING = 0.2
 
     def __init__(self, ratio: float):
         self.ratio = ratio
-        self.decode_step_s: dict[int, float] = {}  # decoding sequences -> plain step time
-        self.budget = self.INITIAL_TOKENS
-
-    def baseline(self, decode_tokens: int) -> float | None:
-        """A plain step's time for about this many sequences; a much smaller batch would understate it."""
-        known = [n for n in self.decode_step_s if n >= 0.75 * decode_tokens]
-        if not known:
-            return None
-        return self.decode_step_s[min(known, key=lambda n: abs(n - decode_tokens))]
+        self.costs = StepCosts()
 
     def observe(self, seconds: float, decode_tokens: int, prefill_tokens: int) -> None:
-        if not decode_tokens:
-            return
-        if prefill_tokens == 0:
-            old = self.decode_step_s.get(decode_tokens)
-            self.decode_step_s[decode_tokens] = seconds if old is None else old + self.SMOOTHING * (seconds - old)
-            return
-        baseline = self.baseline(decode_tokens)
-        slowdown = seconds / baseline if baseline else 0.0
-        if slowdown > self.ratio:
-            self.budget = max(self.MIN_TOKENS, int(prefill_tokens * self.ratio / slowdown))
-        elif prefill_tokens >= self.budget and slowdown * self.GROWTH <= self.ratio:  # room to grow
-            self.budget = int(self.budget * self.GROWTH) + 1
+        self.costs.observe(seconds, decode_tokens, prefill_tokens)
 
-    def tokens(self) -> int:
-        return self.budget
+    def tokens(self, decoding: int, prefilling: int) -> int:
+        now = self.costs.decode(decoding)
+        full = self.costs.decode(decoding + prefilling)
+        per_token = self.costs.prompt_token_s
+        if now is None or full is None or per_token is None:
+            return self.INITIAL_TOKENS
+        # A batch size last measured at shorter contexts can look cheaper than the current one.
+        spare = self.ratio * max(full, now) - now
+        if per_token == 0:  # prompt tokens too cheap to measure: max_num_tokens is the only limit
+            return UNLIMITED
+        return max(self.MIN_TOKENS, int(spare / per_token))
 
 
 class Scheduler:
@@ -158,6 +203,35 @@ class Scheduler:
         self.last_step_tokens = 0
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
+
+    def calibrate(self, context: int = 64, repeats: int = 2) -> None:
+        """Time plain decode steps at a few batch sizes and one mixed step, so the prefill budget is right
+        from the first busy step (a burst onto an idle engine never runs a plain step to learn from).
+
+        Runs on the empty cache before any request: the slots hold zeros, which cost the same to attend
+        to as real keys, and each request overwrites its slot from position 0.
+        """
+        if self.running or self.waiting:
+            raise RuntimeError("calibrate() runs on an idle engine only")
+        context = min(context, self.runner.max_seq_len - 1)
+        sizes = sorted({min(n, self.runner.num_slots) for n in (1, 2, 4, 8, 16, 32, self.runner.num_slots)})
+        chunk = Chunk(slot=sizes[-1] - 1, start=0, length=min(context, self.max_num_tokens))
+        mixed = max(1, sizes[-1] // 2) - 1 if sizes[-1] > 1 else 0
+        for _ in range(repeats):
+            for n in sizes:
+                self._timed_forward([1] * n, list(range(n)), [context] * n, [])
+            if mixed:  # a half-full batch decoding while one prompt chunk is read
+                self._timed_forward([1] * (mixed + chunk.length), list(range(mixed)), [context] * mixed, [chunk])
+
+    def _timed_forward(self, token_ids: list[int], decode_slots: list[int], decode_positions: list[int],
+                       chunks: list[Chunk], logits_rows: list[int] | None = None) -> torch.Tensor:
+        """One forward pass; its time teaches the prefill budget what steps cost."""
+        rows = list(range(len(decode_slots))) if logits_rows is None else logits_rows
+        started = self._clock()
+        logits = self.runner.forward(token_ids, decode_slots, decode_positions, chunks, rows)
+        self.prefill_budget.observe(self._clock() - started, len(decode_slots),
+                                    sum(chunk.length for chunk in chunks))
+        return logits
 
     # ----- admission -----------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
@@ -251,7 +325,7 @@ class Scheduler:
         decode = sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.slot)
         budget = self.max_num_tokens - len(decode)
         if decode:  # others are streaming: read prompts only as fast as keeps their latency steady
-            budget = min(budget, self.prefill_budget.tokens())
+            budget = min(budget, self.prefill_budget.tokens(len(decode), len(self.running) - len(decode)))
         token_ids = [s.tokens[-1] for s in decode]
         decode_slots = [s.slot for s in decode]
         decode_positions = [s.num_cached for s in decode]
@@ -278,10 +352,7 @@ class Scheduler:
                 logits_rows.append(row - 1)
 
         try:
-            started = self._clock()
-            logits = self.runner.forward(token_ids, decode_slots, decode_positions, chunks, logits_rows)
-            self.prefill_budget.observe(self._clock() - started, len(decode),
-                                        sum(chunk.length for chunk in chunks))
+            logits = self._timed_forward(token_ids, decode_slots, decode_positions, chunks, logits_rows)
             for seq in decode:
                 seq.num_cached += 1
             for seq, chunk in zip(chunk_seqs, chunks):

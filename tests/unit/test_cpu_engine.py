@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cpu_engine.config import EngineConfig
 from cpu_engine.runner import Chunk, LlamaRunner
 from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
-from cpu_engine.scheduler import FinishReason, GenerationRequest, PrefillBudget, RequestError, Scheduler
+from cpu_engine.scheduler import (FinishReason, GenerationRequest, PrefillBudget, RequestError, Scheduler,
+                                  StepCosts)
 
 VOCAB = 512
 
@@ -200,28 +201,43 @@ def test_logprobs_are_the_models_own_and_top_alternatives_are_sorted(checkpoint:
         assert top[0][0] == token  # greedy picks the most likely token
 
 
-def test_prefill_budget_keeps_decode_steps_within_the_ratio() -> None:
-    def step_time(prompt_tokens: int, per_token: float) -> float:
-        return 0.040 + prompt_tokens * per_token  # a 40 ms decode step plus each prompt token's cost
+def _step_s(decoding: int, prompt_tokens: int, per_prompt_token: float = 0.002) -> float:
+    """A synthetic machine: 20 ms per step, 4 ms per decoding sequence, 2 ms per prompt token."""
+    return 0.020 + 0.004 * decoding + per_prompt_token * prompt_tokens
 
+
+def test_step_costs_interpolate_between_batch_sizes_seen() -> None:
+    costs = StepCosts()
+    assert costs.decode(8) is None
+    for n in (4, 16):
+        costs.observe(_step_s(n, 0), decode_tokens=n, prompt_tokens=0)
+    assert costs.decode(8) == pytest.approx(_step_s(8, 0))
+    assert costs.decode(24) == pytest.approx(_step_s(24, 0))  # extrapolated along the same line
+    costs.observe(_step_s(8, 50), decode_tokens=8, prompt_tokens=50)
+    assert costs.prompt_token_s == pytest.approx(0.002)
+
+
+def test_prefill_budget_keeps_decode_steps_within_the_ratio() -> None:
     budget = PrefillBudget(ratio=2.0)
+    assert budget.tokens(15, 1) == PrefillBudget.INITIAL_TOKENS  # nothing learned yet
+    for n in (1, 8, 15, 16):
+        budget.observe(_step_s(n, 0), decode_tokens=n, prefill_tokens=0)
     for _ in range(5):
-        budget.observe(step_time(0, 0), decode_tokens=16, prefill_tokens=0)
-    for _ in range(40):
-        n = budget.tokens()
-        budget.observe(step_time(n, 0.002), decode_tokens=16, prefill_tokens=n)
-    assert 10 <= budget.tokens() <= 25  # (2 - 1) x 40 ms / 2 ms = 20
-    assert step_time(budget.tokens(), 0.002) / 0.040 <= 2.3
-    budget.observe(step_time(2000, 0.002), decode_tokens=16, prefill_tokens=2000)  # one outlier step
-    assert budget.tokens() >= PrefillBudget.MIN_TOKENS
-    for _ in range(40):
-        n = budget.tokens()
-        budget.observe(step_time(n, 0.00005), decode_tokens=16, prefill_tokens=n)  # cheap prompt tokens
-    assert budget.tokens() > 300
-    unknown = PrefillBudget(ratio=2.0)
-    unknown.observe(0.020, decode_tokens=1, prefill_tokens=0)  # only a 1-sequence plain step seen
-    unknown.observe(0.500, decode_tokens=16, prefill_tokens=unknown.tokens())  # no comparable baseline
-    assert unknown.tokens() > PrefillBudget.INITIAL_TOKENS  # grows rather than starving prompts
+        n = budget.tokens(15, 1)
+        budget.observe(_step_s(15, n), decode_tokens=15, prefill_tokens=n)
+    # One long prompt among 15 streams: steps take at most 2x a plain 16-sequence step.
+    assert _step_s(15, budget.tokens(15, 1)) <= 2.0 * _step_s(16, 0) + 1e-9
+    assert budget.tokens(15, 1) >= 0.9 * (2 * _step_s(16, 0) - _step_s(15, 0)) / 0.002
+    # A burst of prompts behind one stream: read in chunks as big as the full batch's ratio allows,
+    # not in slivers sized by the lone stream's own fast steps.
+    assert budget.tokens(1, 15) > 3 * (2 * _step_s(1, 0) - _step_s(1, 0)) / 0.002
+    assert _step_s(1, budget.tokens(1, 15)) <= 2.0 * _step_s(16, 0) + 1e-9
+    budget.observe(_step_s(15, 10, per_prompt_token=0.2), decode_tokens=15, prefill_tokens=10)  # one outlier
+    assert budget.tokens(15, 1) >= PrefillBudget.MIN_TOKENS
+    for _ in range(20):
+        n = budget.tokens(15, 1)
+        budget.observe(_step_s(15, n), decode_tokens=15, prefill_tokens=n)
+    assert _step_s(15, budget.tokens(15, 1)) / _step_s(16, 0) == pytest.approx(2.0, rel=0.1)  # recovered
 
 
 def test_long_prompt_is_read_in_chunks_while_others_decode(checkpoint: Path) -> None:
@@ -257,3 +273,22 @@ def test_batched_sampler_draws_from_the_filtered_distribution() -> None:
     assert set(_draws(logits, SamplingParams(temperature=1.0, top_p=0.5), 500).tolist()) == {0}
     hot = torch.bincount(_draws(logits, SamplingParams(temperature=5.0, top_p=1.0), 4000), minlength=4)
     assert hot[3] > 600  # a high temperature flattens the distribution
+
+
+def test_calibration_teaches_the_budget_step_costs_before_the_first_request(checkpoint: Path) -> None:
+    scheduler = make_scheduler(checkpoint)
+    costs = scheduler.prefill_budget.costs
+    assert costs.decode(1) is None and costs.prompt_token_s is None
+    scheduler.calibrate(context=16)
+    assert set(costs.decode_step_s) == {1, 2, 4} and costs.prompt_token_s is not None
+    greedy = request("g", prompt_of(10), 6)  # calibration's scratch K/V must not leak into requests
+    scheduler.add(greedy)
+    run_until_done(scheduler)
+    fresh = make_scheduler(checkpoint)
+    again = request("g", prompt_of(10), 6)
+    fresh.add(again)
+    run_until_done(fresh)
+    assert greedy.sink.tokens == again.sink.tokens
+    scheduler.add(request("busy", prompt_of(4), 2))
+    with pytest.raises(RuntimeError, match="idle"):
+        scheduler.calibrate()

@@ -151,6 +151,7 @@ class TritonPythonModel:
         self.engine = Engine.from_config(
             engine_config, is_cancelled=lambda request: request.sink.sender.is_cancelled(),
             on_stats=self.metrics.publish)
+        pb_utils.Logger.log_info(self.engine.describe())
         self.engine.start()
 
     def execute(self, requests):
