@@ -54,7 +54,7 @@ def ratio_table(rows: list[dict[str, Any]]) -> str:
     labels = [label for _, _, label in RATIO_FIELDS]
     lines = ["| ratio | conc | " + " | ".join(labels) + " |", "|---|--:|" + "--:|" * len(labels)]
     for row in rows:
-        lines.append(f"| {row['of']} | {row['concurrency']} | " + " | ".join(_f(row[l], 2) for l in labels) + " |")
+        lines.append(f"| {row['of']} | {row['concurrency']} | " + " | ".join(_f(row[label], 2) for label in labels) + " |")
     return "\n".join(lines)
 
 

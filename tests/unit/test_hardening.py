@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 import hmac
 import math
-import statistics
 import time
 from pathlib import Path
 from unittest import mock
