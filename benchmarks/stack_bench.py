@@ -22,9 +22,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Sequence
 
 from benchmarks import servers
-from benchmarks.loadgen import OpenAITarget, TritonTarget, run_sweep
+from benchmarks.loadgen import OpenAITarget, TritonTarget, percentile, run_sweep
 from benchmarks.report import write_results
 from benchmarks.workload import load_tokenizer, load_workload
 
@@ -38,6 +39,32 @@ def _git_commit() -> str | None:
                               cwd=servers.REPO_ROOT, check=True).stdout.strip() or None
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+async def paired_overhead(triton: TritonTarget, frontend: OpenAITarget, prompts: Sequence[str],
+                          pairs: int) -> dict[str, Any]:
+    """What the frontend adds to the time to first token, free of the load's queueing noise: one request
+    at a time, the same prompt through raw Triton and through the frontend back to back, alternating
+    which goes first (so a drift in machine speed cancels), and percentiles of the per-pair differences.
+    Use one-token requests: the frontend holds back a token that ends inside a UTF-8 character until
+    the next one completes it (frequent with random weights), which would count a decode step as
+    frontend time; the last token always goes out at once."""
+    await triton.open(1)
+    await frontend.open(1)
+    added = []
+    try:
+        for i in range(pairs):
+            prompt = prompts[i % len(prompts)]
+            order = (triton, frontend) if i % 2 == 0 else (frontend, triton)
+            runs = {target.label: await target.request(prompt) for target in order}
+            direct, through = runs[triton.label], runs[frontend.label]
+            if direct.ok and through.ok:
+                added.append(through.ttft - direct.ttft)
+    finally:
+        await triton.close()
+        await frontend.close()
+    return {"pairs": len(added), "ttft_added_p50_ms": percentile(added, 50) * 1000,
+            "ttft_added_p90_ms": percentile(added, 90) * 1000}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
           f"targets {targets}; logs in {log_dir}", flush=True)
 
     results = []
+    overhead = None
     with contextlib.ExitStack() as outer:
         naive = None
         if "naive" in targets:  # loads while Triton starts; measured after Triton and the frontend stop
@@ -90,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"frontend ready at {base_url} ({time.monotonic() - t0:.0f} s)", flush=True)
                     target = OpenAITarget(base_url, served, workload.output_tokens, label="frontend")
                     results += asyncio.run(run_sweep(target, workload, prompts))
+                    if "triton" in targets:
+                        overhead = asyncio.run(paired_overhead(
+                            TritonTarget(endpoints.grpc_url, tokenizer, 1, label="triton"),
+                            OpenAITarget(base_url, served, 1, label="frontend"), prompts, workload.overhead_pairs))
         if naive is not None:
             base_url = naive.wait_ready()
             print(f"naive baseline ready at {base_url} ({time.monotonic() - t0:.0f} s)", flush=True)
@@ -115,6 +147,12 @@ def main(argv: list[str] | None = None) -> None:
             "E2E = sent -> last token; ITL = (E2E - TTFT)/(tokens - 1); throughput over first sent -> last token.",
         ],
     }
+    if overhead is not None:
+        meta["frontend_overhead_paired"] = overhead
+        meta["notes"].append(
+            f"Frontend overhead, paired ({overhead['pairs']} one-token requests at concurrency 1, each through "
+            f"raw Triton and through the frontend back to back): TTFT +{overhead['ttft_added_p50_ms']:.1f} ms "
+            f"p50, +{overhead['ttft_added_p90_ms']:.1f} ms p90.")
     paths = write_results(out_dir, meta, results, RATIOS, plots=not args.no_plots)
     print(paths["md"].read_text())
     print(f"results: {out_dir} ({time.monotonic() - t0:.0f} s)")

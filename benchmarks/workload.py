@@ -49,6 +49,7 @@ class Workload:
     warmup_requests: int = 2  # per target, before its first level, not measured
     # Cap for the naive baseline (one request at a time): requests per level there.
     naive_max_requests: int = 16
+    overhead_pairs: int = 16  # frontend overhead, paired: requests through each path, one at a time
     extra: dict[str, Any] = field(default_factory=dict)
 
     def requests_at(self, concurrency: int, naive: bool = False) -> int:
@@ -86,7 +87,8 @@ class Workload:
 DEFAULT = Workload()
 # QUICK=1: short prompts and outputs, one round, concurrency up to 16: under two minutes on two cores.
 QUICK = replace(DEFAULT, name="quick", num_prompts=16, input_tokens=32, output_tokens=8,
-                concurrencies=(1, 4, 16), rounds=1, min_requests=4, warmup_requests=1, naive_max_requests=4)
+                concurrencies=(1, 4, 16), rounds=1, min_requests=4, warmup_requests=1, naive_max_requests=4,
+                overhead_pairs=4)
 
 
 def load_workload(quick: bool = False, path: str | Path | None = None) -> Workload:
