@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         meta["frontend_overhead_paired"] = overhead
         meta["notes"].append(
             f"Frontend overhead, paired ({overhead['pairs']} one-token requests at concurrency 1, each through "
-            f"raw Triton and through the frontend back to back): TTFT +{overhead['ttft_added_p50_ms']:.1f} ms "
-            f"p50, +{overhead['ttft_added_p90_ms']:.1f} ms p90.")
+            f"raw Triton and through the frontend back to back): TTFT {overhead['ttft_added_p50_ms']:+.1f} ms "
+            f"p50, {overhead['ttft_added_p90_ms']:+.1f} ms p90.")
     paths = write_results(out_dir, meta, results, RATIOS, plots=not args.no_plots)
     print(paths["md"].read_text())
     print(f"results: {out_dir} ({time.monotonic() - t0:.0f} s)")

@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.loadgen import OpenAITarget, TritonTarget, run_sweep, run_workload_level
 from benchmarks.metrics import summarize
+from benchmarks.stack_bench import paired_overhead
 from benchmarks.workload import Workload, load_tokenizer
 from tests.integration.conftest import Stack
 
@@ -64,3 +65,13 @@ async def test_sweep_reports_every_level(stack: Stack, tokenizer):
         assert row["requests"] == 3 and row["errors"] == 0 and "first_error" not in row
         assert row["output_tokens_per_request"] == SMOKE.output_tokens
         assert row["ttft_ms"]["p99"] <= row["e2e_ms"]["p99"]
+
+
+async def test_paired_overhead_pairs_every_request(stack: Stack, tokenizer):
+    prompts = SMOKE.prompts(tokenizer)
+    overhead = await paired_overhead(TritonTarget(stack.triton_grpc_url, tokenizer, 1),
+                                     OpenAITarget(stack.base_url, stack.model, 1), prompts, pairs=4)
+    assert overhead["pairs"] == 4
+    # A difference of two TTFTs of the same prompt, each well under a few seconds on the tiny model.
+    assert abs(overhead["ttft_added_p50_ms"]) < 5000
+    assert overhead["ttft_added_p50_ms"] <= overhead["ttft_added_p90_ms"]
