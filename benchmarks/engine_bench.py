@@ -20,6 +20,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import httpx
 import torch
@@ -63,8 +64,11 @@ def floor_tokens_per_s(model: torch.nn.Module, requests: int) -> float:
     return requests * OUTPUT_TOKENS / (time.perf_counter() - start)
 
 
+Arrivals = tuple[float, list[float]]  # when a request was sent, when each of its chunks arrived
+
+
 async def chunk_times(client: httpx.AsyncClient, base_url: str, model: str, prompt: list[int] | str,
-                      max_tokens: int) -> tuple[float, list[float]]:
+                      max_tokens: int) -> Arrivals:
     """Send one streaming completion; return when it was sent and when each content chunk arrived."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "temperature": 0}
@@ -81,10 +85,17 @@ def long_prompt_ids(tokens: int) -> list[int]:
     return [(17 * i) % 3900 + 20 for i in range(tokens)]
 
 
-def interference(sent: float, prefill_end: float, streams: list[list[float]]) -> dict:
-    """ITL p50 of the streams outside the window [sent, prefill_end] and p99 inside it."""
+async def interference(stream: Callable[[int], Awaitable[Arrivals]], long_request: Callable[[], Awaitable[Arrivals]],
+                       streams: int) -> dict:
+    """Start `streams` decoding streams, send the long prompt once they decode steadily, and compare the
+    streams' gaps inside the window [long prompt sent, its first token] (p99) with those outside (p50)."""
+    decoders = [asyncio.create_task(stream(i)) for i in range(streams)]
+    await asyncio.sleep(2.0)  # let them reach steady decoding
+    sent, long_times = await long_request()
+    results = await asyncio.gather(*decoders)
+    prefill_end = long_times[0]
     inside, outside = [], []
-    for times in streams:
+    for _, times in results:
         for before, after in zip(times, times[1:]):
             (inside if after > sent and before < prefill_end else outside).append(after - before)
     return {"prefill_s": round(prefill_end - sent, 3),
@@ -96,17 +107,22 @@ def interference(sent: float, prefill_end: float, streams: list[list[float]]) ->
 async def chunked_prefill_triton(grpc_url: str, tokenizer: object, long_prompt_tokens: int, streams: int) -> dict:
     """Token by token, as the engine sends them (raw Triton gRPC: one response per token)."""
     decoding, long_one = TritonTarget(grpc_url, tokenizer, 400), TritonTarget(grpc_url, tokenizer, 4)
+
+    async def stream(i: int) -> Arrivals:
+        timing = await decoding.request(f"stream {i}:")
+        return timing.start, timing.token_times
+
+    async def long_request() -> Arrivals:
+        timing = await long_one.request_ids(long_prompt_ids(long_prompt_tokens))
+        return timing.start, timing.token_times
+
     await decoding.open(streams)
     await long_one.open(1)
     try:
-        decoders = [asyncio.create_task(decoding.request(f"stream {i}:")) for i in range(streams)]
-        await asyncio.sleep(2.0)  # let them reach steady decoding
-        long_timing = await long_one.request_ids(long_prompt_ids(long_prompt_tokens))
-        results = await asyncio.gather(*decoders)
+        return await interference(stream, long_request, streams)
     finally:
         await decoding.close()
         await long_one.close()
-    return interference(long_timing.start, long_timing.token_times[0], [r.token_times for r in results])
 
 
 async def chunked_prefill_sse(base_url: str, model: str, long_prompt_tokens: int, streams: int) -> dict:
@@ -114,12 +130,9 @@ async def chunked_prefill_sse(base_url: str, model: str, long_prompt_tokens: int
     character (frequent with random weights and byte-level BPE) has no text yet and travels with the
     next one, so these gaps are often two steps long: compare with the token-level figures."""
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams + 4)) as client:
-        decoders = [asyncio.create_task(chunk_times(client, base_url, model, f"stream {i}:", 400))
-                    for i in range(streams)]
-        await asyncio.sleep(2.0)
-        sent, long_times = await chunk_times(client, base_url, model, long_prompt_ids(long_prompt_tokens), 4)
-        results = await asyncio.gather(*decoders)
-    return interference(sent, long_times[0], [times for _, times in results])
+        return await interference(
+            lambda i: chunk_times(client, base_url, model, f"stream {i}:", 400),
+            lambda: chunk_times(client, base_url, model, long_prompt_ids(long_prompt_tokens), 4), streams)
 
 
 async def stack_levels(base_url: str, model: str, concurrencies: list[int], quick: bool) -> list[dict]:

@@ -140,7 +140,8 @@ class StepCosts:
         old = self.prompt_token_s
         if not old:
             self.prompt_token_s = per_token
-        else:  # one stalled step (a shared machine has them) raises the average by a fifth at most
+        else:  # symmetric: with few prompt tokens a step's excess is mostly noise, so the samples are
+            # noisy both ways; one stalled step (a shared machine has them) raises it by a fifth at most
             self.prompt_token_s = _smooth(old, min(per_token, old * 2), self.SMOOTHING)
 
 
@@ -159,8 +160,10 @@ class PrefillBudget:
     in that time by the learned step costs. One long prompt arriving among 15 streams: their tokens come
     at most `ratio` times slower while it is read. Sixteen prompts arriving at once: the first streams out
     decode no slower than `ratio` times the full batch will, and the rest of the prompts are read in a few
-    large chunks instead of trickling in behind them. With ratio 2 a prompt is read at half the machine's
-    speed at worst, and streams slow to half speed at worst: the same price for both sides.
+    large chunks instead of trickling in behind them. A ratio r slows streams to 1/r of their speed at
+    worst and reads a prompt at (r-1)/r of the machine's speed at worst: r = 2 would charge both sides the
+    same; the default 1.75 keeps room for what the estimate misses (a long prompt's later chunks attend to
+    more keys than the earlier ones it learned from, and a shared machine stalls now and then).
     Until the costs are known it reads INITIAL_TOKENS per step.
     """
 
@@ -188,7 +191,7 @@ class PrefillBudget:
 
 
 class Scheduler:
-    def __init__(self, runner: Forward, max_num_tokens: int, prefill_step_ratio: float = 2.0,
+    def __init__(self, runner: Forward, max_num_tokens: int, prefill_step_ratio: float = 1.75,
                  clock: Callable[[], float] = time.perf_counter):
         self.runner = runner
         self.max_num_tokens = max(max_num_tokens, 1)
@@ -215,12 +218,12 @@ class Scheduler:
             raise RuntimeError("calibrate() runs on an idle engine only")
         context = min(context, self.runner.max_seq_len - 1)
         sizes = sorted({min(n, self.runner.num_slots) for n in (1, 2, 4, 8, 16, 32, self.runner.num_slots)})
+        mixed = sizes[-1] // 2  # a half-full batch decoding (slots from 0) while the last slot reads a chunk
         chunk = Chunk(slot=sizes[-1] - 1, start=0, length=min(context, self.max_num_tokens))
-        mixed = max(1, sizes[-1] // 2) - 1 if sizes[-1] > 1 else 0
         for _ in range(repeats):
             for n in sizes:
                 self._timed_forward([1] * n, list(range(n)), [context] * n, [])
-            if mixed:  # a half-full batch decoding while one prompt chunk is read
+            if mixed:
                 self._timed_forward([1] * (mixed + chunk.length), list(range(mixed)), [context] * mixed, [chunk])
 
     def _timed_forward(self, token_ids: list[int], decode_slots: list[int], decode_positions: list[int],
