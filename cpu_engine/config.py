@@ -1,7 +1,7 @@
 """The CPU engine's build-time settings, read from `engine_config.json` in the engine directory.
 
 `build_engine` writes that file; like a TensorRT-LLM engine, the engine directory fixes the batch size,
-sequence length and dtype, and the Triton config only adds runtime knobs (thread count).
+sequence length and dtype, and the Triton config only adds runtime knobs (threads, prefill pacing).
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ class EngineConfig:
     max_seq_len: int = 1024
     max_num_tokens: int = 512
     num_threads: int = 0  # 0: every core this process may run on
+    prefill_step_ratio: float = 1.75  # see scheduler.PrefillBudget
 
     @classmethod
-    def from_engine_dir(cls, engine_dir: Path, num_threads: int = 0, max_num_tokens: int = 0) -> "EngineConfig":
+    def from_engine_dir(cls, engine_dir: Path, num_threads: int = 0, max_num_tokens: int = 0,
+                        prefill_step_ratio: float = 1.75) -> "EngineConfig":
         """`max_num_tokens` > 0 overrides the built value (the Triton config's runtime setting)."""
         path = Path(engine_dir) / ENGINE_CONFIG_FILE
         if not path.is_file():
@@ -38,4 +40,5 @@ class EngineConfig:
             max_seq_len=int(raw["max_seq_len"]),
             max_num_tokens=max_num_tokens or int(raw["max_num_tokens"]),
             num_threads=num_threads,
+            prefill_step_ratio=prefill_step_ratio,
         )

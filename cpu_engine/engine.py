@@ -51,7 +51,7 @@ class Engine:
     def from_config(cls, config: EngineConfig, **kwargs: object) -> "Engine":
         configure_threads(config.num_threads)
         runner = LlamaRunner(config)
-        scheduler = Scheduler(runner, config.max_num_tokens)
+        scheduler = Scheduler(runner, config.max_num_tokens, config.prefill_step_ratio)
         with torch.inference_mode():  # measure this machine before the first request
             scheduler.calibrate()
         return cls(scheduler, **kwargs)

@@ -162,8 +162,9 @@ class PrefillBudget:
     decode no slower than `ratio` times the full batch will, and the rest of the prompts are read in a few
     large chunks instead of trickling in behind them. A ratio r slows streams to 1/r of their speed at
     worst and reads a prompt at (r-1)/r of the machine's speed at worst: r = 2 would charge both sides the
-    same; the default 1.75 keeps room for what the estimate misses (a long prompt's later chunks attend to
-    more keys than the earlier ones it learned from, and a shared machine stalls now and then).
+    same; the default 1.75 (`cpu_prefill_step_ratio` in config.pbtxt) keeps room for what the estimate
+    misses (a long prompt's later chunks attend to more keys than the earlier ones it learned from, and a
+    shared machine stalls now and then).
     Until the costs are known it reads INITIAL_TOKENS per step.
     """
 
@@ -171,6 +172,9 @@ class PrefillBudget:
     MIN_TOKENS = 8
 
     def __init__(self, ratio: float):
+        if not ratio > 1:
+            raise ValueError(f"cpu_prefill_step_ratio must be above 1 (a step with prompt tokens takes longer "
+                             f"than a plain one), got {ratio}")
         self.ratio = ratio
         self.costs = StepCosts()
 

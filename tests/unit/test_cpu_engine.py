@@ -218,6 +218,8 @@ def test_step_costs_interpolate_between_batch_sizes_seen() -> None:
 
 
 def test_prefill_budget_keeps_decode_steps_within_the_ratio() -> None:
+    with pytest.raises(ValueError, match="cpu_prefill_step_ratio"):
+        PrefillBudget(ratio=1.0)
     budget = PrefillBudget(ratio=2.0)
     assert budget.tokens(15, 1) == PrefillBudget.INITIAL_TOKENS  # nothing learned yet
     for n in (1, 8, 15, 16):

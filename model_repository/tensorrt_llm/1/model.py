@@ -146,7 +146,8 @@ class TritonPythonModel:
         self.exclude_input_default = _param(config, "exclude_input_in_output", "false").lower() == "true"
         engine_config = EngineConfig.from_engine_dir(
             engine_dir, num_threads=int(_param(config, "cpu_num_threads", "0") or 0),
-            max_num_tokens=int(_param(config, "max_num_tokens", "0") or 0))
+            max_num_tokens=int(_param(config, "max_num_tokens", "0") or 0),
+            prefill_step_ratio=float(_param(config, "cpu_prefill_step_ratio", "1.75") or 1.75))
         self.metrics = EngineMetrics(args["model_name"])
         self.engine = Engine.from_config(
             engine_config, is_cancelled=lambda request: request.sink.sender.is_cancelled(),
