@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import json
 import os
 import platform
 import shlex
@@ -59,6 +60,21 @@ def run_pa(cmd: list[str], pa_env: Path, log: Path) -> None:
         raise RuntimeError(f"perf_analyzer exited with {done.returncode}:\n{tail}")
 
 
+def run_and_parse(command: list[str], export: Path, pa_env: Path, log: Path, attempts: int = 2) -> list[dict]:
+    """Run one level and parse its export. perf_analyzer 2.51 once left a c16 export cut at exactly 64 KiB
+    with exit status 0 (not reproduced in two reruns); such a level runs again rather than failing the sweep."""
+    for _ in range(attempts):
+        run_pa(command, pa_env, log)
+        try:
+            return parse_pa_export(export)
+        except json.JSONDecodeError as exc:
+            error = exc
+            print(f"perf_analyzer left an unreadable {export.name} ({export.stat().st_size} bytes: {exc})",
+                  flush=True)
+    raise RuntimeError(f"perf_analyzer wrote an unreadable {export} {attempts} times; its output is in {log}") \
+        from error
+
+
 def sweep(grpc_url: str, tokenizer_dir: Path, models: list[str], workload, out_dir: Path, pa_env: Path,
           concurrencies: list[int] | None = None) -> list[dict]:
     inputs = write_pa_inputs(workload, load_tokenizer(tokenizer_dir), out_dir / "inputs")
@@ -71,9 +87,8 @@ def sweep(grpc_url: str, tokenizer_dir: Path, models: list[str], workload, out_d
             n = workload.requests_at(c)
             export = out_dir / f"export_{model}_c{c}.json"
             print(f"perf_analyzer {model} concurrency {c}: {n} requests", flush=True)
-            run_pa(pa_command(model, grpc_url, inputs[model], c, n, export, out_dir / f"pa_{model}_c{c}.csv"),
-                   pa_env, log)
-            for summary in parse_pa_export(export):
+            command = pa_command(model, grpc_url, inputs[model], c, n, export, out_dir / f"pa_{model}_c{c}.csv")
+            for summary in run_and_parse(command, export, pa_env, log):
                 results.append({"target": f"pa:{model}", "concurrency": summary.pop("value"), **summary})
     return results
 
