@@ -64,6 +64,7 @@ def run_and_parse(command: list[str], export: Path, pa_env: Path, log: Path, att
     """Run one level and parse its export. perf_analyzer 2.51 once left a c16 export cut at exactly 64 KiB
     with exit status 0 (not reproduced in two reruns); such a level runs again rather than failing the sweep."""
     for _ in range(attempts):
+        export.unlink(missing_ok=True)  # perf_analyzer refuses to overwrite one (a rerun on the same day)
         run_pa(command, pa_env, log)
         try:
             return parse_pa_export(export)
