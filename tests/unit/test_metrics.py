@@ -165,3 +165,22 @@ def test_loadgen_public_api_unchanged():
     assert result.tokens_per_s == 32.0
     assert result.summary() == {"concurrency": 4, "requests": 2, "output_tok_per_s": 32.0, "ttft_p50_ms": 200.0,
                                 "ttft_p99_ms": 298.0, "itl_p50_ms": 20.0, "itl_p99_ms": 29.8}
+
+
+def test_pa_level_with_a_truncated_export_runs_again(tmp_path, monkeypatch):
+    from benchmarks import pa_sweep
+
+    export, runs = tmp_path / "export.json", []
+    full = json.dumps(EXPORT)
+
+    def fake_run_pa(command, pa_env, log):
+        assert not export.exists()  # perf_analyzer refuses to overwrite an export
+        runs.append(command)
+        export.write_text(full[:64] if len(runs) == 1 else full)  # first: cut short, as 2.51 once did
+
+    monkeypatch.setattr(pa_sweep, "run_pa", fake_run_pa)
+    assert pa_sweep.run_and_parse(["pa"], export, tmp_path / "env.sh", tmp_path / "log") == parse_pa_export(EXPORT)
+    assert len(runs) == 2
+    monkeypatch.setattr(pa_sweep, "run_pa", lambda *args: export.write_text("{"))
+    with pytest.raises(RuntimeError, match="unreadable"):
+        pa_sweep.run_and_parse(["pa"], export, tmp_path / "env.sh", tmp_path / "log")
