@@ -154,30 +154,21 @@ CHAT_BASE = {"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"
 COMPLETION_BASE = {"model": "demo-tiny", "prompt": "hi", "max_tokens": 2}
 
 
-def test_fuzz_chat_completions(fuzz_target: tuple[str, Path]) -> None:
+@pytest.mark.parametrize("route,base,fields,what", [
+    ("/v1/chat/completions", CHAT_BASE, chat_fields, "chat"),
+    ("/v1/completions", COMPLETION_BASE, completion_fields, "completions"),
+], ids=["chat", "completions"])
+def test_fuzz_route(fuzz_target: tuple[str, Path], route: str, base: dict, fields, what: str) -> None:
     root, _ = fuzz_target
     started = time.monotonic()
     with httpx.Client(timeout=60) as client:
         @FUZZ_SETTINGS
-        @given(request_bodies(CHAT_BASE, chat_fields))
+        @given(request_bodies(base, fields))
         def fuzz(body: bytes | dict) -> None:
-            check(client, f"{root}/v1/chat/completions", body)
+            check(client, f"{root}{route}", body)
 
         fuzz()
-    print(f"\nfuzz: {EXAMPLES_PER_ROUTE} chat requests in {time.monotonic() - started:.1f} s, no 5xx")
-
-
-def test_fuzz_completions(fuzz_target: tuple[str, Path]) -> None:
-    root, _ = fuzz_target
-    started = time.monotonic()
-    with httpx.Client(timeout=60) as client:
-        @FUZZ_SETTINGS
-        @given(request_bodies(COMPLETION_BASE, completion_fields))
-        def fuzz(body: bytes | dict) -> None:
-            check(client, f"{root}/v1/completions", body)
-
-        fuzz()
-    print(f"\nfuzz: {EXAMPLES_PER_ROUTE} completions requests in {time.monotonic() - started:.1f} s, no 5xx")
+    print(f"\nfuzz: {EXAMPLES_PER_ROUTE} {what} requests in {time.monotonic() - started:.1f} s, no 5xx")
 
 
 def test_nan_and_infinity_are_rejected_not_crashing(fuzz_target: tuple[str, Path]) -> None:
