@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cpu_engine.config import EngineConfig
-from cpu_engine.runner import Chunk, LlamaRunner
+from cpu_engine.runner import Chunk, LlamaRunner, Projection
 from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
 from cpu_engine.scheduler import (FinishReason, GenerationRequest, PrefillBudget, RequestError, Scheduler,
                                   StepCosts)
@@ -80,6 +80,30 @@ def test_runner_matches_hugging_face_forward(checkpoint: Path) -> None:
     second = runner.forward(prompt[4:], [], [], [Chunk(1, 4, 5)], [4])
     torch.testing.assert_close(first, expected[:4], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(second[0], expected[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl-fallback"])
+def test_projection_matches_f_linear_at_every_batch_size(onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not onednn:
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    projection = Projection(weight, bias)
+    assert projection.uses_onednn is (onednn and torch.backends.mkldnn.is_available())
+    for rows in (1, 3, 16, 200):  # 200: past the fallback's small-batch kernel
+        x = torch.randn(rows, 64, generator=generator)
+        torch.testing.assert_close(projection(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build")
+def test_onednn_projection_gives_a_row_the_same_bits_in_any_batch() -> None:
+    """Why greedy decoding is the same alone and batched, and why we prefer oneDNN's kernel."""
+    generator = torch.Generator().manual_seed(1)
+    projection = Projection(torch.randn(1280, 768, generator=generator))
+    x = torch.randn(300, 768, generator=generator)
+    alone = projection(x[:1])
+    for rows in (2, 7, 16, 32, 129, 300):
+        assert torch.equal(projection(x[:rows])[:1], alone), rows
 
 
 def test_greedy_alone_equals_greedy_in_a_full_batch(checkpoint: Path) -> None:
