@@ -34,8 +34,11 @@ def configure_threads(num_threads: int) -> int:
 class Engine:
     def __init__(self, scheduler: Scheduler, is_cancelled: Callable[[GenerationRequest], bool] | None = None,
                  cancel_poll_s: float = 0.02, on_stats: Callable[[EngineStats], None] | None = None,
-                 stats_period_s: float = 0.1):
+                 stats_period_s: float = 0.1, after_step: Callable[[], None] | None = None):
+        """`after_step` runs on the engine thread after every step, before the next: the Triton glue
+        waits there for the step's responses to be delivered."""
         self.scheduler = scheduler
+        self._after_step = after_step
         self._is_cancelled = is_cancelled
         self._cancel_poll_s = cancel_poll_s
         self._on_stats = on_stats
@@ -133,4 +136,7 @@ class Engine:
                     self.scheduler.step()
                 except Exception:  # keep serving; the scheduler already failed the step's requests
                     log.exception("engine step failed")
+                finally:
+                    if self._after_step is not None:
+                        self._after_step()
                 self._publish_stats(now)

@@ -21,7 +21,7 @@ from frontend.triton_engine import SamplingOptions, TritonEngine
 @dataclass(frozen=True)
 class TokenInfo:
     token_id: int
-    logprob: float
+    logprob: float | None  # None unless logprobs were asked for
     top: list[tuple[int, float]]
 
 
@@ -70,9 +70,10 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, context_length: i
 
 
 def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: int, tokenizer: Tokenizer,
-                top_logprobs: int) -> list[ChoiceJob]:
+                top_logprobs: int | None) -> list[ChoiceJob]:
     """`n` jobs per prompt, indexed prompt-major as OpenAI does. With a seed, choice j uses seed + j so
-    that the n choices differ yet the request stays reproducible."""
+    that the n choices differ yet the request stays reproducible. `top_logprobs` is None when the
+    request wants no log-probabilities, else how many alternatives per token (0: the sampled token's only)."""
     jobs = []
     for p, prompt_ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(prompt_ids), req.requested_max_tokens, context_length)
@@ -89,7 +90,8 @@ def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: i
             # ignore_eos: an end id no token can have, so generation runs to max_tokens
             end_id=tokenizer.vocab_size if req.ignore_eos else tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,
-            top_logprobs=top_logprobs,
+            logprobs=top_logprobs is not None,
+            top_logprobs=top_logprobs or 0,
         )
         for j in range(req.n):
             seed = None if req.seed is None else (req.seed + j) % 2**63
@@ -113,7 +115,8 @@ async def generate_text(engine: TritonEngine, tokenizer: Tokenizer, request_id: 
             usage.completion_tokens += len(chunk.token_ids)
             if timing is not None:
                 timing.tokens(len(chunk.token_ids))
-            pending += [TokenInfo(t, lp, top) for t, lp, top in zip(chunk.token_ids, chunk.logprobs, chunk.top)]
+            logprobs = chunk.logprobs or [None] * len(chunk.token_ids)
+            pending += [TokenInfo(t, lp, top) for t, lp, top in zip(chunk.token_ids, logprobs, chunk.top)]
             text, stopped = matcher.feed(detok.add(chunk.token_ids))
             if stopped:
                 yield TextDelta(text, "stop", pending)

@@ -103,7 +103,7 @@ class Generation:
     """The engine jobs of one request and their shared usage count."""
 
     def __init__(self, request: Request, req: SamplingFields, context: ModelContext, prompts: list[list[int]],
-                 top_logprobs: int):
+                 top_logprobs: int | None):
         max_n = request.app.state.settings.max_n
         if req.n > max_n:
             raise invalid_request(f"n must be at most {max_n}", "n")
@@ -306,8 +306,8 @@ def client_gone() -> Response:
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     context = await model_context(request, req.model)
     prompt_ids = context.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages])
-    generation = Generation(request, req, context, [prompt_ids], req.num_top_logprobs)
     top = req.num_top_logprobs if req.logprobs else None
+    generation = Generation(request, req, context, [prompt_ids], top)
     token_text = context.tokenizer.token_text
     if req.stream:
         chunks = ChatChunks(context.served_model_name, [j.index for j in generation.jobs], top, token_text)
@@ -335,8 +335,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
             prompts.append(list(prompt))
     if any(not p for p in prompts):
         raise invalid_request("prompt must not be empty", "prompt")
-    generation = Generation(request, req, context, prompts, req.num_top_logprobs)
     top = req.logprobs
+    generation = Generation(request, req, context, prompts, top)
     token_text = context.tokenizer.token_text
     echo = {job.index: context.tokenizer.decode(job.prompt_ids) for job in generation.jobs} if req.echo else {}
     if req.stream:

@@ -166,10 +166,6 @@ class CompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    @property
-    def num_top_logprobs(self) -> int:
-        return self.logprobs or 0
-
 
 # ----- responses ---------------------------------------------------------------------------------------
 FinishReason = Literal["stop", "length"]

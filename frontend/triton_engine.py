@@ -36,13 +36,14 @@ class SamplingOptions:
     min_tokens: int = 0
     end_id: int | None = None
     pad_id: int | None = None
-    top_logprobs: int = 0
+    logprobs: bool = False  # return the sampled tokens' log-probabilities (output_log_probs)
+    top_logprobs: int = 0  # and this many most likely alternatives per token
 
 
 @dataclass(frozen=True)
 class TokenChunk:
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float] | None  # None unless asked for
     top: list[list[tuple[int, float]]]  # per token, the most likely alternatives (if asked for)
 
 
@@ -147,7 +148,9 @@ class TritonEngine:
                        streaming: bool) -> AsyncIterator[TokenChunk]:
         """Yield the engine's token chunks until the request ends. Closing the iterator early (or
         cancelling the task that runs it) cancels the request in Triton."""
-        outputs = ["output_ids", "output_log_probs"]
+        outputs = ["output_ids"]  # the engine builds only what is asked for, token after token
+        if options.logprobs or options.top_logprobs:
+            outputs.append("output_log_probs")
         if options.top_logprobs:
             outputs += ["output_top_log_prob_ids", "output_top_log_probs"]
         request = {
@@ -175,7 +178,7 @@ class TritonEngine:
                 token_ids = ids.reshape(-1).tolist()
                 logprobs = result.as_numpy("output_log_probs")
                 yield TokenChunk(token_ids,
-                                 logprobs.reshape(-1).tolist() if logprobs is not None else [],
+                                 logprobs.reshape(-1).tolist() if logprobs is not None else None,
                                  _top_alternatives(result, len(token_ids)))
             finished = True
         except OpenAIError:

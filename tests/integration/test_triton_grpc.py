@@ -23,13 +23,17 @@ def tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput
 
 
 def stream_once(url: str, model: str, inputs: list[grpcclient.InferInput], request_id: str = "",
-                timeout_s: float = 60) -> tuple[list[grpcclient.InferResult], list[str]]:
-    """Send one request on a gRPC stream; collect its responses until the final one."""
+                timeout_s: float = 60, outputs: list[str] | None = None,
+                ) -> tuple[list[grpcclient.InferResult], list[str]]:
+    """Send one request on a gRPC stream; collect its responses until the final one. `outputs`
+    names the outputs wanted (None: all, as Triton does when a request names none)."""
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
-        client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+        requested = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
+        client.async_stream_infer(model, inputs, outputs=requested, request_id=request_id,
+                                  enable_empty_final_response=True)
         responses, errors = [], []
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -91,6 +95,19 @@ def test_engine_streams_one_token_per_response_and_non_streaming_sends_all_at_on
     assert whole[0].as_numpy("output_ids").shape == (1, 1, 8)
     assert whole[0].as_numpy("sequence_length").tolist() == [[8]]
     assert tokens_of(whole) == tokens_of(streamed)  # greedy by default, like TensorRT-LLM
+
+
+def test_engine_sends_only_the_outputs_asked_for(stack: Stack) -> None:
+    def names(responses: list[grpcclient.InferResult]) -> set[str]:
+        return {o.name for r in responses for o in r.get_response().outputs}
+
+    inputs = engine_inputs([10, 20, 30], 3, True)
+    everything, errors = stream_once(stack.triton_grpc_url, "tensorrt_llm", inputs)
+    assert not errors
+    assert names(everything) == {"output_ids", "sequence_length", "cum_log_probs", "output_log_probs"}
+    ids_only, errors = stream_once(stack.triton_grpc_url, "tensorrt_llm", inputs, outputs=["output_ids"])
+    assert not errors and names(ids_only) == {"output_ids"}
+    assert tokens_of(ids_only) == tokens_of(everything)
 
 
 def test_engine_stops_at_end_id(stack: Stack) -> None:

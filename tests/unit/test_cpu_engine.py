@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cpu_engine.config import EngineConfig
+from cpu_engine.engine import Engine
 from cpu_engine.runner import Chunk, LlamaRunner, Projection
 from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
 from cpu_engine.scheduler import (FinishReason, GenerationRequest, PrefillBudget, RequestError, Scheduler,
@@ -318,3 +320,26 @@ def test_calibration_teaches_the_budget_step_costs_before_the_first_request(chec
     scheduler.add(request("busy", prompt_of(4), 2))
     with pytest.raises(RuntimeError, match="idle"):
         scheduler.calibrate()
+
+
+def test_engine_loop_calls_after_step_between_steps(checkpoint: Path) -> None:
+    """The Triton glue delivers a step's responses in `after_step`; each step's tokens must be out
+    before the next step runs."""
+    sent_at_flush: list[int] = []
+    done = threading.Event()
+    target = request("t", prompt_of(6), 5)
+
+    def after_step() -> None:
+        sent_at_flush.append(len(target.sink.tokens))
+        if target.sink.finish is not None:
+            done.set()
+
+    engine = Engine(make_scheduler(checkpoint), after_step=after_step)
+    engine.start()
+    try:
+        engine.submit(target)
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    assert target.sink.finish is FinishReason.LENGTH
+    assert sent_at_flush[:5] == [1, 2, 3, 4, 5]  # one flush after every step, none skipped

@@ -9,6 +9,7 @@ TensorRT-LLM backend: `output_ids` [1, beams, len], `sequence_length` [1, beams]
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -50,35 +51,93 @@ def _param(config: dict, key: str, default: str) -> str:
     return default if value.startswith("${") else value
 
 
-class TritonSink:
-    """Turns the scheduler's per-token results into Triton responses for one request."""
+class ResponseWriter:
+    """Delivers a step's responses from several threads at once, at the end of the step.
 
-    def __init__(self, sender, streaming: bool, prompt: list[int], exclude_input: bool, top_logprobs: int):
+    A decoupled Python-backend send is a synchronous round trip: the stub waits until the Triton
+    process has taken the response (with the GIL released). One after another, 16 streams' sends took
+    ~12 ms of a ~120 ms batch-16 step here; from 8 threads, ~5 ms. The engine calls `flush()` after
+    every step, before its next forward, so the sends do not compete with the forward for the CPU;
+    one request's responses go out in order from one thread.
+    """
+
+    THREADS = 8
+
+    def __init__(self, threads: int = THREADS):
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-send") if threads > 1 else None
+        self._queued: dict[int, tuple[object, list[tuple[object, int]]]] = {}
+
+    def send(self, sender, response=None, flags: int = 0) -> None:
+        self._queued.setdefault(id(sender), (sender, []))[1].append((response, flags))
+
+    def flush(self) -> None:
+        queued, self._queued = list(self._queued.values()), {}
+        if self._pool is None or len(queued) == 1:
+            errors = [_deliver(sender, responses) for sender, responses in queued]
+        else:
+            errors = list(self._pool.map(lambda item: _deliver(*item), queued))
+        for error in errors:
+            if error is not None:  # e.g. the client went away meanwhile; the others go on
+                pb_utils.Logger.log_warn(f"sending a response failed: {error}")
+
+    def close(self) -> None:
+        self.flush()
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def _deliver(sender, responses: list[tuple[object, int]]) -> Exception | None:
+    try:
+        for response, flags in responses:
+            sender.send(response, flags=flags)
+    except Exception as error:
+        return error
+    return None
+
+
+class TritonSink:
+    """Turns the scheduler's per-token results into Triton responses for one request.
+
+    Only the outputs the client asked for are built: Triton hands the model every output as requested
+    when the client names none, and a streaming client that reads `output_ids` alone (the frontend
+    without logprobs) then gets one tensor per token instead of four, which is less work on the engine
+    thread, in Triton and in the client.
+    """
+
+    def __init__(self, sender, writer: ResponseWriter, streaming: bool, prompt: list[int], exclude_input: bool,
+                 top_logprobs: int, outputs: frozenset[str]):
         self.sender = sender
+        self.writer = writer
         self.streaming = streaming
         self.prefix = [] if exclude_input else list(prompt)
         self.top_logprobs = top_logprobs
+        self.outputs = outputs
         self.pending: list[SampledToken] = []
         self.cum_logprob = 0.0
 
     def _response(self, prefix: list[int], tokens: list[SampledToken]):
         ids = prefix + [t.token for t in tokens]
-        logprobs = [0.0] * len(prefix) + [t.logprob for t in tokens]
-        outputs = [
-            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
-            pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)),
-            pb_utils.Tensor("cum_log_probs", np.asarray([[self.cum_logprob]], dtype=np.float32)),
-            pb_utils.Tensor("output_log_probs", np.asarray(logprobs, dtype=np.float32).reshape(1, 1, -1)),
-        ]
-        if self.top_logprobs:
+        wanted = self.outputs
+        outputs = []
+        if "output_ids" in wanted:
+            outputs.append(pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)))
+        if "sequence_length" in wanted:
+            outputs.append(pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)))
+        if "cum_log_probs" in wanted:
+            outputs.append(pb_utils.Tensor("cum_log_probs", np.asarray([[self.cum_logprob]], dtype=np.float32)))
+        if "output_log_probs" in wanted:
+            logprobs = [0.0] * len(prefix) + [t.logprob for t in tokens]
+            outputs.append(pb_utils.Tensor("output_log_probs",
+                                           np.asarray(logprobs, dtype=np.float32).reshape(1, 1, -1)))
+        if self.top_logprobs and wanted & {"output_top_log_prob_ids", "output_top_log_probs"}:
             k = self.top_logprobs
             top_ids = np.zeros((1, len(tokens), k), dtype=np.int32)
             top_values = np.full((1, len(tokens), k), -np.inf, dtype=np.float32)
             for row, token in enumerate(tokens):
                 for col, (alt, value) in enumerate(token.top[:k]):
                     top_ids[0, row, col], top_values[0, row, col] = alt, value
-            outputs += [pb_utils.Tensor("output_top_log_prob_ids", top_ids),
-                        pb_utils.Tensor("output_top_log_probs", top_values)]
+            outputs += [pb_utils.Tensor(name, array) for name, array in
+                        (("output_top_log_prob_ids", top_ids), ("output_top_log_probs", top_values)) if name in wanted]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def send(self, tokens: list[SampledToken], finish: FinishReason | None) -> None:
@@ -88,13 +147,13 @@ class TritonSink:
             return
         flags = FINAL if finish is not None else 0
         if self.pending or self.prefix:
-            self.sender.send(self._response(self.prefix, self.pending), flags=flags)
+            self.writer.send(self.sender, self._response(self.prefix, self.pending), flags)
         elif finish is not None:
-            self.sender.send(flags=FINAL)
+            self.writer.send(self.sender, flags=FINAL)
         self.prefix, self.pending = [], []
 
     def send_error(self, message: str) -> None:
-        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+        self.writer.send(self.sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), FINAL)
 
 
 class EngineMetrics:
@@ -149,9 +208,10 @@ class TritonPythonModel:
             max_num_tokens=int(_param(config, "max_num_tokens", "0") or 0),
             prefill_step_ratio=float(_param(config, "cpu_prefill_step_ratio", "1.75") or 1.75))
         self.metrics = EngineMetrics(args["model_name"])
+        self.writer = ResponseWriter()
         self.engine = Engine.from_config(
             engine_config, is_cancelled=lambda request: request.sink.sender.is_cancelled(),
-            on_stats=self.metrics.publish)
+            on_stats=self.metrics.publish, after_step=self.writer.flush)
         pb_utils.Logger.log_info(self.engine.describe())
         self.engine.start()
 
@@ -203,7 +263,8 @@ class TritonPythonModel:
             request_id=request_id,
             prompt=prompt,
             max_new_tokens=int(output_len),
-            sink=TritonSink(sender, streaming, prompt, exclude, top_logprobs),
+            sink=TritonSink(sender, self.writer, streaming, prompt, exclude, top_logprobs,
+                            frozenset(request.requested_output_names())),
             sampling=sampling,
             end_id=None if end_id is None else int(end_id),
             stop_words=_word_list(request, "stop_words_list"),
@@ -211,3 +272,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.engine.stop()
+        self.writer.close()
