@@ -2,7 +2,8 @@
 
 Triton's `execute()` must return at once for a decoupled model, so requests are handed over through a
 thread-safe inbox and the loop thread alone touches the scheduler. Cancellation by the client (Triton's
-`is_cancelled()`) is polled at most every `cancel_poll_s`, since each poll crosses a process boundary.
+`is_cancelled()`) is polled at most every `cancel_poll_s`, since each poll crosses a process boundary;
+`cancelled` gets all requests of a poll at once so that the glue can make those round trips together.
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ def configure_threads(num_threads: int) -> int:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, is_cancelled: Callable[[GenerationRequest], bool] | None = None,
+    def __init__(self, scheduler: Scheduler,
+                 cancelled: Callable[[list[GenerationRequest]], list[bool]] | None = None,
                  cancel_poll_s: float = 0.02, on_stats: Callable[[EngineStats], None] | None = None,
                  stats_period_s: float = 0.1, after_step: Callable[[], None] | None = None):
         """`after_step` runs on the engine thread after every step, before the next: the Triton glue
         waits there for the step's responses to be delivered."""
         self.scheduler = scheduler
         self._after_step = after_step
-        self._is_cancelled = is_cancelled
+        self._cancelled = cancelled
         self._cancel_poll_s = cancel_poll_s
         self._on_stats = on_stats
         self._stats_period_s = stats_period_s
@@ -96,11 +98,11 @@ class Engine:
                 self.scheduler.cancel(item)
 
     def _poll_cancellations(self) -> None:
-        if self._is_cancelled is None:
-            return
         requests = [s.request for s in self.scheduler.running] + list(self.scheduler.waiting)
-        for request in requests:
-            if self._is_cancelled(request):
+        if self._cancelled is None or not requests:
+            return
+        for request, cancelled in zip(requests, self._cancelled(requests)):
+            if cancelled:
                 self.scheduler.cancel(request.request_id)
 
     def _publish_stats(self, now: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -343,3 +344,26 @@ def test_engine_loop_calls_after_step_between_steps(checkpoint: Path) -> None:
         engine.stop()
     assert target.sink.finish is FinishReason.LENGTH
     assert sent_at_flush[:5] == [1, 2, 3, 4, 5]  # one flush after every step, none skipped
+
+
+def test_engine_polls_cancellation_for_all_requests_at_once(checkpoint: Path) -> None:
+    polls: list[list[str]] = []
+    victim, bystander = request("victim", prompt_of(5), 200), request("bystander", prompt_of(7), 6)
+
+    def cancelled(requests: list[GenerationRequest]) -> list[bool]:
+        polls.append([r.request_id for r in requests])
+        return [r.request_id == "victim" and len(victim.sink.tokens) >= 3 for r in requests]
+
+    engine = Engine(make_scheduler(checkpoint), cancelled=cancelled, cancel_poll_s=0.0)
+    engine.start()
+    try:
+        engine.submit(victim)
+        engine.submit(bystander)
+        deadline = time.monotonic() + 60
+        while (victim.sink.finish is None or bystander.sink.finish is None) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert victim.sink.finish is FinishReason.CANCELLED and 3 <= len(victim.sink.tokens) < 200
+    assert bystander.sink.finish is FinishReason.LENGTH and len(bystander.sink.tokens) == 6
+    assert ["victim", "bystander"] in polls  # one call per poll, every request in it

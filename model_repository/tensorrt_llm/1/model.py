@@ -51,14 +51,15 @@ def _param(config: dict, key: str, default: str) -> str:
     return default if value.startswith("${") else value
 
 
-class ResponseWriter:
-    """Delivers a step's responses from several threads at once, at the end of the step.
+class TritonChannel:
+    """The engine's round trips to the Triton process, made from several threads at once: a step's
+    responses (queued by `send`, delivered by `flush`) and the cancellation polls.
 
     A decoupled Python-backend send is a synchronous round trip: the stub waits until the Triton
-    process has taken the response (with the GIL released). One after another, 16 streams' sends took
-    ~12 ms of a ~120 ms batch-16 step here; from 8 threads, ~5 ms. The engine calls `flush()` after
-    every step, before its next forward, so the sends do not compete with the forward for the CPU;
-    one request's responses go out in order from one thread.
+    process has taken the response (with the GIL released); so is `is_cancelled()`. One after another,
+    16 streams' sends took ~12 ms of a ~120 ms batch-16 step here; from 8 threads, ~5 ms. The engine
+    calls `flush()` after every step, before its next forward, so the sends do not compete with the
+    forward for the CPU; one request's responses go out in order from one thread.
     """
 
     THREADS = 8
@@ -79,6 +80,12 @@ class ResponseWriter:
         for error in errors:
             if error is not None:  # e.g. the client went away meanwhile; the others go on
                 pb_utils.Logger.log_warn(f"sending a response failed: {error}")
+
+    def cancelled(self, requests: list[GenerationRequest]) -> list[bool]:
+        """Whether Triton has cancelled each request (client gone): one round trip each, made together."""
+        if self._pool is None or len(requests) == 1:
+            return [request.sink.sender.is_cancelled() for request in requests]
+        return list(self._pool.map(lambda request: request.sink.sender.is_cancelled(), requests))
 
     def close(self) -> None:
         self.flush()
@@ -104,10 +111,10 @@ class TritonSink:
     thread, in Triton and in the client.
     """
 
-    def __init__(self, sender, writer: ResponseWriter, streaming: bool, prompt: list[int], exclude_input: bool,
+    def __init__(self, sender, channel: TritonChannel, streaming: bool, prompt: list[int], exclude_input: bool,
                  top_logprobs: int, outputs: frozenset[str]):
         self.sender = sender
-        self.writer = writer
+        self.channel = channel
         self.streaming = streaming
         self.prefix = [] if exclude_input else list(prompt)
         self.top_logprobs = top_logprobs
@@ -147,13 +154,13 @@ class TritonSink:
             return
         flags = FINAL if finish is not None else 0
         if self.pending or self.prefix:
-            self.writer.send(self.sender, self._response(self.prefix, self.pending), flags)
+            self.channel.send(self.sender, self._response(self.prefix, self.pending), flags)
         elif finish is not None:
-            self.writer.send(self.sender, flags=FINAL)
+            self.channel.send(self.sender, flags=FINAL)
         self.prefix, self.pending = [], []
 
     def send_error(self, message: str) -> None:
-        self.writer.send(self.sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), FINAL)
+        self.channel.send(self.sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), FINAL)
 
 
 class EngineMetrics:
@@ -208,10 +215,10 @@ class TritonPythonModel:
             max_num_tokens=int(_param(config, "max_num_tokens", "0") or 0),
             prefill_step_ratio=float(_param(config, "cpu_prefill_step_ratio", "1.75") or 1.75))
         self.metrics = EngineMetrics(args["model_name"])
-        self.writer = ResponseWriter()
+        self.channel = TritonChannel()
         self.engine = Engine.from_config(
-            engine_config, is_cancelled=lambda request: request.sink.sender.is_cancelled(),
-            on_stats=self.metrics.publish, after_step=self.writer.flush)
+            engine_config, cancelled=self.channel.cancelled,
+            on_stats=self.metrics.publish, after_step=self.channel.flush)
         pb_utils.Logger.log_info(self.engine.describe())
         self.engine.start()
 
@@ -263,7 +270,7 @@ class TritonPythonModel:
             request_id=request_id,
             prompt=prompt,
             max_new_tokens=int(output_len),
-            sink=TritonSink(sender, self.writer, streaming, prompt, exclude, top_logprobs,
+            sink=TritonSink(sender, self.channel, streaming, prompt, exclude, top_logprobs,
                             frozenset(request.requested_output_names())),
             sampling=sampling,
             end_id=None if end_id is None else int(end_id),
@@ -272,4 +279,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.engine.stop()
-        self.writer.close()
+        self.channel.close()
