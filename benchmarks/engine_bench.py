@@ -11,7 +11,7 @@
    does), then text chunk by text chunk through the frontend (what an OpenAI client sees).
 
 Every figure comes from this run, so the ratios compare like with like on a shared, noisy machine, and
-each of the ceiling, floor and stack figures is the best of RUNS (3 for the ceilings, 2 for the floor and
+each of the ceiling, floor and stack figures is the best of several runs (3 for the ceilings, 2 for the floor and
 the stack levels; every run is printed): a burst of someone else's load can only slow a run down, so the
 best run is the closest to what the machine does, and taking it on both sides of a ratio keeps it fair.
 """

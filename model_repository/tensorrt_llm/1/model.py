@@ -65,7 +65,7 @@ class TritonChannel:
     THREADS = 8
 
     def __init__(self, threads: int = THREADS):
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-send") if threads > 1 else None
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-channel") if threads > 1 else None
         self._queued: dict[int, tuple[object, list[tuple[object, int]]]] = {}
 
     def send(self, sender, response=None, flags: int = 0) -> None:
