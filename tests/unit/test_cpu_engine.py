@@ -367,3 +367,14 @@ def test_engine_polls_cancellation_for_all_requests_at_once(checkpoint: Path) ->
     assert victim.sink.finish is FinishReason.CANCELLED and 3 <= len(victim.sink.tokens) < 200
     assert bystander.sink.finish is FinishReason.LENGTH and len(bystander.sink.tokens) == 6
     assert ["victim", "bystander"] in polls  # one call per poll, every request in it
+
+
+def test_engine_bench_measures_plain_steps_through_the_runner(checkpoint: Path) -> None:
+    """benchmarks/engine_bench.py runs only by hand; this keeps its engine-side measurement in step with
+    the runner's interface, and checks that it fills the cache it decodes against."""
+    from benchmarks.engine_bench import runner_tokens_per_s
+
+    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=4, max_seq_len=64))
+    assert runner_tokens_per_s(runner, batch=3, steps=2) > 0
+    assert bool(runner.k_cache[:, :3, :, :37].abs().sum(dim=(0, 2, 4)).gt(0).all())  # 32 prompt + 5 decode
+    assert not runner.k_cache[:, 3].any()  # the fourth slot was never touched
