@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 
+import numpy as np
 import pytest
 
 from benchmarks import loadgen
@@ -59,7 +60,6 @@ def test_summary_explicit_duration_and_empty():
 
 
 def test_percentile_matches_numpy_linear():
-    np = pytest.importorskip("numpy")
     values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
     for p in (0, 10, 50, 90, 99, 100):
         assert percentile(values, p) == approx(float(np.percentile(values, p)))
