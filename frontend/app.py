@@ -39,7 +39,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = TritonEngine(settings.triton_grpc_url, settings.engine_model, settings.triton_timeout_s)
+        engine = TritonEngine(settings.triton_grpc_url, settings.engine_model, settings.preprocessing_model,
+                              settings.triton_timeout_s)
         app.state.settings = settings
         app.state.engine = engine
         app.state.contexts = ModelContextLoader(settings, engine)

@@ -6,6 +6,7 @@ The openai SDKs pick their exception class from the HTTP status and read `error.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -28,6 +29,9 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def json_bytes(self) -> bytes:
+        return json.dumps(self.body(), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

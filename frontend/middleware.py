@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -29,7 +29,8 @@ from frontend.auth import ANONYMOUS, KeyStore, bearer_token
 from frontend.deadlines import Deadline, Deadlines
 from frontend.errors import (OpenAIError, invalid_api_key, invalid_request, payload_too_large, service_unavailable,
                              too_many_requests)
-from frontend.metrics import CONTENT_TYPE_LATEST, Metrics
+from frontend.metrics import CONTENT_TYPE_LATEST, Metrics, TokenTiming
+from frontend.serving import TextDelta, UsageCounter
 from frontend.settings import Settings
 
 log = logging.getLogger("frontend")
@@ -51,7 +52,8 @@ def route_label(path: str) -> str:
 
 @dataclass
 class RequestContext:
-    """What the edge and the route know about one request; `request.state.ctx` in routes."""
+    """What the edge and the serving layer know about one request; `request.state.ctx` in routes. It is
+    the serving layer's `RequestHooks`: deadline, token timing, finish reasons and usage for the log."""
 
     request_id: str
     route: str
@@ -63,7 +65,7 @@ class RequestContext:
     status: int | None = None
     finish_reason: str | None = None  # for generation: stop/length (the last choice's), or how it ended
     prompt_tokens: int = 0
-    usage: Any = None  # the route's UsageCounter, read at the end (completion tokens so far)
+    usage: UsageCounter | None = None  # the generation's, read at the end (completion tokens so far)
     ttft_s: float | None = None
     reservation: TokenReservation | None = None
     prompt_text: list[str] | None = None  # only with log_prompts
@@ -80,13 +82,37 @@ class RequestContext:
             self.edge.metrics.rejected.labels(exc.reason).inc()
             raise too_many_requests(exc.message, exc.retry_after_s, "tokens", "rate_limit_exceeded") from None
 
-    def record_finish(self, reason: str | None) -> None:
+    # ----- RequestHooks of the serving layer -----
+    async def bounded(self, awaitable: Awaitable[None]) -> None:
+        if self.deadline is None:
+            await awaitable
+        else:
+            await self.deadline.run(awaitable)
+
+    def timer(self) -> TokenTiming | None:
+        if self.edge is None:
+            return None
+
+        def first(ttft: float) -> None:
+            self.ttft_s = ttft if self.ttft_s is None else min(self.ttft_s, ttft)
+
+        return TokenTiming(self.started, self.edge.metrics, self.route, first)
+
+    def record_delta(self, delta: TextDelta) -> None:
+        reason = delta.finish_reason
         if reason is not None:
             self.finish_reason = reason if self.finish_reason in (None, "stop") else self.finish_reason
+        if self.completion_text is not None:
+            self.completion_text.append(delta.text)
+
+    def record_failure(self, error: OpenAIError) -> None:
+        deadline = self.deadline
+        self.finish_reason = (deadline.reason if deadline is not None and deadline.reason
+                              else "timeout" if error.code == "timeout" else "error")
 
     @property
     def completion_tokens(self) -> int:
-        return getattr(self.usage, "completion_tokens", 0) if self.usage is not None else 0
+        return self.usage.completion_tokens if self.usage is not None else 0
 
 
 class Edge:

@@ -11,10 +11,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from frontend.engine import EngineMetadata, LLMEngine
 from frontend.errors import service_unavailable
 from frontend.settings import Settings
 from frontend.tokenizer import Tokenizer
-from frontend.triton_engine import TritonEngine
 
 log = logging.getLogger("frontend")
 
@@ -27,7 +27,7 @@ class ModelContext:
 
 
 class ModelContextLoader:
-    def __init__(self, settings: Settings, engine: TritonEngine):
+    def __init__(self, settings: Settings, engine: LLMEngine):
         self._settings = settings
         self._engine = engine
         self._context: ModelContext | None = None
@@ -49,22 +49,21 @@ class ModelContextLoader:
 
     async def _load(self) -> ModelContext:
         s = self._settings
-        engine_params: dict[str, str] = {}
-        if s.served_model_name is None or s.context_length is None:
-            engine_params = await self._engine.model_parameters(s.engine_model)
-        tokenizer_dir = s.tokenizer_dir
+        known = EngineMetadata(s.served_model_name, s.tokenizer_dir, s.context_length)
+        if None in (known.served_model_name, known.tokenizer_dir, known.context_length):
+            asked = await self._engine.metadata()
+        else:
+            asked = known
+        tokenizer_dir = known.tokenizer_dir or asked.tokenizer_dir
         if tokenizer_dir is None:
-            pre_params = await self._engine.model_parameters(s.preprocessing_model)
-            if not pre_params.get("tokenizer_dir"):
-                raise service_unavailable(
-                    f"Triton's {s.preprocessing_model!r} model does not name a tokenizer_dir; "
-                    "start the frontend with --tokenizer-dir")
-            tokenizer_dir = Path(pre_params["tokenizer_dir"])
-        context_length = s.context_length or int(engine_params.get("max_seq_len") or 0)
+            raise service_unavailable(
+                f"Triton's {s.preprocessing_model!r} model does not name a tokenizer_dir; "
+                "start the frontend with --tokenizer-dir")
+        context_length = known.context_length or asked.context_length or 0
         if context_length <= 0:
             raise service_unavailable(
                 f"Triton's {s.engine_model!r} model does not give max_seq_len; start the frontend with "
                 "--context-length")
-        name = s.served_model_name or engine_params.get("served_model_name") or tokenizer_dir.name
+        name = known.served_model_name or asked.served_model_name or tokenizer_dir.name
         tokenizer = await asyncio.to_thread(Tokenizer, tokenizer_dir, s.chat_template)
         return ModelContext(name, context_length, tokenizer)

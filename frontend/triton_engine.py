@@ -9,7 +9,6 @@ which the engine sees at its next step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -18,40 +17,8 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from frontend.engine import EngineMetadata, EngineRequest, SamplingOptions, TokenChunk
 from frontend.errors import OpenAIError, engine_error, service_unavailable
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Per-request generation settings, in the engine interface's terms."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    end_id: int | None = None
-    pad_id: int | None = None
-    logprobs: bool = False  # return the sampled tokens' log-probabilities (output_log_probs)
-    top_logprobs: int = 0  # and this many most likely alternatives per token
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    token_ids: list[int]
-    logprobs: list[float] | None  # None unless asked for
-    top: list[list[tuple[int, float]]]  # per token, the most likely alternatives (if asked for)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    served_model_name: str
-    tokenizer_dir: Path
-    context_length: int
 
 
 def _is_unavailable(exc: BaseException) -> bool:
@@ -68,8 +35,16 @@ def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInpu
     return tensor
 
 
-def build_inputs(prompt_ids: list[int], options: SamplingOptions, streaming: bool) -> list[grpcclient.InferInput]:
-    """The engine request for one prompt: batch dimension 1, as the TensorRT-LLM backend expects."""
+# TensorRT-LLM's executor spells "ignore the end-of-sequence token" as end_id -1
+# (tensorrt_llm/executor/base_worker.py: `end_id=-1 if sampling_params.ignore_eos else ...end_id`); the CPU
+# engine treats an end id outside the vocabulary the same way.
+NO_END_ID = -1
+
+
+def build_inputs(prompt_ids: list[int], options: SamplingOptions) -> list[grpcclient.InferInput]:
+    """The engine request for one prompt: batch dimension 1, as the TensorRT-LLM backend expects. Always
+    streamed (one response per step), so that the frontend sees every token as it is made and can end
+    the request at a stop string or a disconnect, whether or not its own client streams."""
 
     def scalar(name: str, value: float | int | bool, dtype: type, datatype: str) -> grpcclient.InferInput:
         return _tensor(name, np.array([[value]], dtype=dtype), datatype)
@@ -82,7 +57,7 @@ def build_inputs(prompt_ids: list[int], options: SamplingOptions, streaming: boo
         _tensor("input_ids", np.array([prompt_ids], dtype=np.int32), "INT32"),
         scalar("input_lengths", len(prompt_ids), np.int32, "INT32"),
         scalar("request_output_len", options.max_tokens, np.int32, "INT32"),
-        scalar("streaming", streaming, np.bool_, "BOOL"),
+        scalar("streaming", True, np.bool_, "BOOL"),
         scalar("exclude_input_in_output", True, np.bool_, "BOOL"),
         scalar("temperature", temperature, np.float32, "FP32"),
         scalar("runtime_top_p", options.top_p, np.float32, "FP32"),
@@ -94,28 +69,44 @@ def build_inputs(prompt_ids: list[int], options: SamplingOptions, streaming: boo
     ]
     if options.seed is not None:
         inputs.append(scalar("seed", options.seed, np.uint64, "UINT64"))
-    if options.end_id is not None:
-        inputs.append(scalar("end_id", options.end_id, np.int32, "INT32"))
-    if options.pad_id is not None:
-        inputs.append(scalar("pad_id", options.pad_id, np.int32, "INT32"))
+    end_id = NO_END_ID if options.ignore_eos else options.eos_token_id
+    if end_id is not None:
+        inputs.append(scalar("end_id", end_id, np.int32, "INT32"))
+    if options.pad_token_id is not None:
+        inputs.append(scalar("pad_id", options.pad_token_id, np.int32, "INT32"))
     if options.top_logprobs:
         inputs.append(scalar("top_logprobs", options.top_logprobs, np.int32, "INT32"))
     return inputs
 
 
-def _top_alternatives(result: grpcclient.InferResult, count: int) -> list[list[tuple[int, float]]]:
+def requested_outputs(options: SamplingOptions) -> list[str]:
+    """Only what this request needs: the engine builds every output it is asked for, token after token."""
+    outputs = ["output_ids"]
+    if options.logprobs or options.top_logprobs:
+        outputs.append("output_log_probs")
+    if options.top_logprobs:
+        outputs += ["output_top_log_prob_ids", "output_top_log_probs"]
+    return outputs
+
+
+def _top_alternatives(result: grpcclient.InferResult, count: int) -> list[list[tuple[int, float]]] | None:
     ids = result.as_numpy("output_top_log_prob_ids")
     values = result.as_numpy("output_top_log_probs")
     if ids is None or values is None:
-        return [[] for _ in range(count)]
+        return None
     ids, values = ids.reshape(count, -1).tolist(), values.reshape(count, -1).tolist()
     return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]
 
 
 class TritonEngine:
-    def __init__(self, url: str, engine_model: str, metadata_timeout_s: float = 5.0):
+    """`LLMEngine` over Triton gRPC: the engine model (TensorRT-LLM tensor interface) for generation, its
+    config and the preprocessing model's config for metadata."""
+
+    def __init__(self, url: str, engine_model: str, preprocessing_model: str = "preprocessing",
+                 metadata_timeout_s: float = 5.0):
         self.url = url
         self.engine_model = engine_model
+        self.preprocessing_model = preprocessing_model
         self._timeout = metadata_timeout_s
         # Reconnect quickly after Triton restarts, instead of gRPC's default backoff of up to minutes.
         self._client = grpcclient.InferenceServerClient(url=url, channel_args=[
@@ -134,39 +125,40 @@ class TritonEngine:
         except Exception:
             return False
 
-    async def model_parameters(self, model: str) -> dict[str, str]:
+    async def _parameters(self, model: str) -> dict[str, str]:
         try:
             config = await self._client.get_model_config(model, as_json=True, client_timeout=self._timeout)
         except InferenceServerException as exc:
             if _is_unavailable(exc):
-                raise service_unavailable(f"Triton at {self.url} is unreachable") from exc
-            raise service_unavailable(f"Triton has no model {model!r} ready: {exc.message()}") from exc
+                raise service_unavailable("the inference server is unreachable") from exc
+            raise service_unavailable(f"the inference server has no model {model!r} ready") from exc
         params = config.get("config", {}).get("parameters", {})
         return {key: value.get("string_value", "") for key, value in params.items()}
 
-    async def generate(self, request_id: str, prompt_ids: list[int], options: SamplingOptions,
-                       streaming: bool) -> AsyncIterator[TokenChunk]:
-        """Yield the engine's token chunks until the request ends. Closing the iterator early (or
-        cancelling the task that runs it) cancels the request in Triton."""
-        outputs = ["output_ids"]  # the engine builds only what is asked for, token after token
-        if options.logprobs or options.top_logprobs:
-            outputs.append("output_log_probs")
-        if options.top_logprobs:
-            outputs += ["output_top_log_prob_ids", "output_top_log_probs"]
-        request = {
+    async def metadata(self) -> EngineMetadata:
+        engine = await self._parameters(self.engine_model)
+        tokenizer_dir = (await self._parameters(self.preprocessing_model)).get("tokenizer_dir")
+        max_seq_len = engine.get("max_seq_len", "")
+        return EngineMetadata(served_model_name=engine.get("served_model_name") or None,
+                              tokenizer_dir=Path(tokenizer_dir) if tokenizer_dir else None,
+                              context_length=int(max_seq_len) if max_seq_len.isdigit() else None)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        options = request.options
+        triton_request = {
             "model_name": self.engine_model,
-            "inputs": build_inputs(prompt_ids, options, streaming),
-            "outputs": [grpcclient.InferRequestedOutput(name) for name in outputs],
-            "request_id": request_id,
+            "inputs": build_inputs(request.prompt_ids, options),
+            "outputs": [grpcclient.InferRequestedOutput(name) for name in requested_outputs(options)],
+            "request_id": request.request_id,
         }
 
         async def one_request():
-            yield request
+            yield triton_request
 
         try:
             call = self._client.stream_infer(one_request())
         except InferenceServerException as exc:
-            raise service_unavailable(f"Triton at {self.url} is unreachable: {exc.message()}") from exc
+            raise service_unavailable("the inference server is unreachable") from exc
         finished = False
         try:
             async for result, error in call:
@@ -177,16 +169,15 @@ class TritonEngine:
                     continue
                 token_ids = ids.reshape(-1).tolist()
                 logprobs = result.as_numpy("output_log_probs")
-                yield TokenChunk(token_ids,
-                                 logprobs.reshape(-1).tolist() if logprobs is not None else None,
+                yield TokenChunk(token_ids, logprobs.reshape(-1).tolist() if logprobs is not None else None,
                                  _top_alternatives(result, len(token_ids)))
             finished = True
         except OpenAIError:
             raise
         except (grpc.RpcError, InferenceServerException) as exc:
             if _is_unavailable(exc):
-                raise service_unavailable(f"lost Triton at {self.url}: {exc}") from exc
-            raise engine_error(f"Triton stream failed: {exc}") from exc
+                raise service_unavailable("lost the connection to the inference server") from exc
+            raise engine_error("the inference server's stream failed") from exc
         finally:
             if not finished:
                 call.cancel()

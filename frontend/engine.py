@@ -1,0 +1,77 @@
+"""What the serving layer needs from an engine, and nothing about how an engine is reached.
+
+The serving layer (frontend/serving.py) talks to this protocol only; `TritonEngine` implements it over
+Triton gRPC, and unit tests implement it with a fake that scripts token streams, errors and delays.
+Engine conventions (which tensors exist, how `ignore_eos` is spelled, how a request is cancelled) stay
+behind it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Protocol
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """One choice's generation settings, in OpenAI's terms (the engine translates them)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    ignore_eos: bool = False  # generate until max_tokens even past the end-of-sequence token
+    logprobs: bool = False  # the sampled tokens' log-probabilities
+    top_logprobs: int = 0  # and this many most likely alternatives per token
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One engine request (one choice). `request_id` is made by the server, unique per choice: it is
+    what cancellation keys on, so it must never come from a client."""
+
+    request_id: str
+    prompt_ids: list[int]
+    options: SamplingOptions
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """New tokens of one request, as the engine delivers them (usually one per step)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # one per token, when asked for
+    top: list[list[tuple[int, float]]] | None = None  # per token, the most likely alternatives, when asked for
+
+
+@dataclass(frozen=True)
+class EngineMetadata:
+    """What the engine's deployment says about the model; any field may be unknown (None)."""
+
+    served_model_name: str | None
+    tokenizer_dir: Path | None
+    context_length: int | None
+
+
+class LLMEngine(Protocol):
+    def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        """Stream the request's new tokens until it ends (end-of-sequence or max_tokens). Closing the
+        iterator early, or cancelling the task that iterates it, cancels the request in the engine.
+        Raises OpenAIError (503 when the engine is unreachable, 500 when it failed the request)."""
+        ...
+
+    async def is_ready(self) -> bool: ...
+
+    async def metadata(self) -> EngineMetadata:
+        """Raises OpenAIError 503 while the engine cannot be asked."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,107 @@
+"""How a generation's deltas become OpenAI objects: chat or legacy completions, SSE chunks or one body.
+
+Pure functions of the deltas (no I/O), so the wire format is tested without servers. Every chunk of a
+stream has the same `id` and `created`, as OpenAI's do.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from frontend.logprobs import TokenStrings, chat_logprobs, completion_logprobs
+from frontend.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
+                              Completion, CompletionChoice, ResponseMessage, Usage, completion_id, now)
+from frontend.serving import ChoiceResult, TextDelta, UsageCounter
+from frontend.sse import sse_data
+
+
+class Renderer(Protocol):
+    def stream_start(self) -> list[bytes]:
+        """The frames sent before the first delta (chat: the role; completions: echoed prompts)."""
+        ...
+
+    def stream_delta(self, index: int, delta: TextDelta) -> list[bytes]: ...
+
+    def stream_usage(self, usage: UsageCounter) -> bytes: ...
+
+    def body(self, results: dict[int, ChoiceResult], usage: UsageCounter) -> BaseModel: ...
+
+
+class ChatRenderer:
+    def __init__(self, model: str, indexes: list[int], top_logprobs: int | None, tokens: TokenStrings):
+        self.id, self.created, self.model = completion_id("chatcmpl"), now(), model
+        self.indexes, self.top_logprobs, self.tokens = indexes, top_logprobs, tokens
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+        chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                    usage=usage)
+        return sse_data(chunk.model_dump_json())
+
+    def _logprobs(self, delta_tokens: list) -> dict | None:
+        if self.top_logprobs is None:
+            return None
+        return chat_logprobs(delta_tokens, self.tokens, self.top_logprobs)
+
+    def stream_start(self) -> list[bytes]:
+        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                for i in self.indexes]
+
+    def stream_delta(self, index: int, delta: TextDelta) -> list[bytes]:
+        frames = []
+        logprobs = self._logprobs(delta.tokens) if delta.tokens else None
+        if delta.text or logprobs:
+            frames.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text),
+                                                       logprobs=logprobs)]))
+        if delta.finish_reason is not None:
+            frames.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(),
+                                                       finish_reason=delta.finish_reason)]))
+        return frames
+
+    def stream_usage(self, usage: UsageCounter) -> bytes:
+        return self._chunk([], Usage(**usage.as_dict()))
+
+    def body(self, results: dict[int, ChoiceResult], usage: UsageCounter) -> BaseModel:
+        choices = [ChatChoice(index=i, message=ResponseMessage(content=r.text), finish_reason=r.finish_reason,
+                              logprobs=self._logprobs(r.tokens))
+                   for i, r in sorted(results.items())]
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices,
+                              usage=Usage(**usage.as_dict()))
+
+
+class CompletionRenderer:
+    def __init__(self, model: str, top_logprobs: int | None, tokens: TokenStrings, echo: dict[int, str]):
+        self.id, self.created, self.model = completion_id("cmpl"), now(), model
+        self.top_logprobs, self.tokens, self.echo = top_logprobs, tokens, echo
+        self.offsets: dict[int, int] = {}  # per choice, the text offset of its next token (streaming)
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
+        chunk = Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+        return sse_data(chunk.model_dump_json())
+
+    def stream_start(self) -> list[bytes]:
+        return [self._chunk([CompletionChoice(index=i, text=text)]) for i, text in self.echo.items()]
+
+    def stream_delta(self, index: int, delta: TextDelta) -> list[bytes]:
+        logprobs = None
+        if self.top_logprobs is not None and delta.tokens:
+            logprobs, self.offsets[index] = completion_logprobs(
+                delta.tokens, self.tokens, self.top_logprobs, self.offsets.get(index, 0))
+        if not delta.text and logprobs is None and delta.finish_reason is None:
+            return []
+        return [self._chunk([CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
+                                              finish_reason=delta.finish_reason)])]
+
+    def stream_usage(self, usage: UsageCounter) -> bytes:
+        return self._chunk([], Usage(**usage.as_dict()))
+
+    def body(self, results: dict[int, ChoiceResult], usage: UsageCounter) -> BaseModel:
+        choices = []
+        for i, r in sorted(results.items()):
+            logprobs = (completion_logprobs(r.tokens, self.tokens, self.top_logprobs, 0)[0]
+                        if self.top_logprobs is not None else None)
+            choices.append(CompletionChoice(index=i, text=self.echo.get(i, "") + r.text,
+                                            finish_reason=r.finish_reason, logprobs=logprobs))
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices,
+                          usage=Usage(**usage.as_dict()))

@@ -1,0 +1,300 @@
+"""The serving layer: one OpenAI generation request as engine requests, and their tokens back as text.
+
+HTTP stays in routes.py and responses.py, engine conventions behind `LLMEngine`; what is here is the
+generation path both chat and completions share, streamed or not:
+- every choice (`n`, several prompts) is its own engine request, with an id this server makes;
+- tokens are read one at a time from the engine whatever the client asked for, so a stop string ends
+  the engine request at the token that completes it, and usage and logprobs count exactly the tokens
+  up to there;
+- the choices of a request run in one task group: one failure cancels the others and their engine
+  requests, and so does the request's deadline or the client leaving.
+Streamed and non-streamed responses are built from the same deltas, so the streamed pieces joined are
+the non-streamed text by construction.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Awaitable, Callable, Protocol
+
+import anyio
+
+if sys.version_info < (3, 11):  # anyio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
+
+from frontend.engine import EngineRequest, LLMEngine, SamplingOptions, TokenChunk
+from frontend.errors import OpenAIError, engine_error, invalid_request
+from frontend.schemas import SamplingFields
+from frontend.stop_strings import StopStringMatcher
+from frontend.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    token_id: int
+    logprob: float | None  # None unless logprobs were asked for
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class TextDelta:
+    text: str
+    finish_reason: str | None = None  # set on the last delta only
+    tokens: list[TokenInfo] = field(default_factory=list)  # the tokens whose text this delta completes
+
+
+@dataclass
+class ChoiceResult:
+    """A whole choice, for non-streamed responses."""
+
+    text: str = ""
+    finish_reason: str = "stop"
+    tokens: list[TokenInfo] = field(default_factory=list)
+
+
+@dataclass
+class UsageCounter:
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+@dataclass(frozen=True)
+class ChoiceJob:
+    """One engine request and its `index` among the request's choices."""
+
+    index: int
+    request: EngineRequest
+
+
+class TokenTimer(Protocol):
+    def tokens(self, count: int) -> None: ...
+
+
+class RequestHooks(Protocol):
+    """What the HTTP edge wants to know of a generation (frontend.middleware.RequestContext)."""
+
+    def bounded(self, awaitable: Awaitable[None]) -> Awaitable[None]:
+        """Await under the request's deadline (504) and the server's shutdown (503)."""
+        ...
+
+    def timer(self) -> TokenTimer | None: ...
+
+    def record_delta(self, delta: TextDelta) -> None: ...
+
+    def record_failure(self, error: OpenAIError) -> None: ...
+
+
+# ----- from a request to engine requests -------------------------------------------------------------------
+def resolve_max_tokens(prompt_len: int, requested: int | None, context_length: int, prompt_param: str) -> int:
+    """Default to what is left of the context (not a tiny fixed number); refuse what cannot fit."""
+    if requested is None:
+        if prompt_len >= context_length:
+            raise invalid_request(
+                f"This model's maximum context length is {context_length} tokens. However, your prompt "
+                f"has {prompt_len} tokens, leaving no room for a completion. Please reduce the length of "
+                "the prompt.", param=prompt_param, code="context_length_exceeded")
+        return context_length - prompt_len
+    if prompt_len + requested > context_length:
+        raise invalid_request(
+            f"This model's maximum context length is {context_length} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, {requested} in the "
+            f"completion). Please reduce the length of the {prompt_param} or completion.",
+            param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def new_engine_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: int, tokenizer: Tokenizer,
+                top_logprobs: int | None, prompt_param: str) -> list[ChoiceJob]:
+    """`n` jobs per prompt, indexed prompt-major as OpenAI does. With a seed, choice j uses seed + j so
+    that the n choices differ yet the request stays reproducible. `top_logprobs` is None when the
+    request wants no log-probabilities, else how many alternatives per token (0: the sampled token's only)."""
+    jobs = []
+    for p, prompt_ids in enumerate(prompts):
+        max_tokens = resolve_max_tokens(len(prompt_ids), req.requested_max_tokens, context_length, prompt_param)
+        base = SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_tokens=min(req.min_tokens, max_tokens),
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            ignore_eos=req.ignore_eos,
+            logprobs=top_logprobs is not None,
+            top_logprobs=top_logprobs or 0,
+        )
+        for j in range(req.n):
+            seed = None if req.seed is None else (req.seed + j) % 2**63
+            options = replace(base, seed=seed)
+            jobs.append(ChoiceJob(p * req.n + j, EngineRequest(new_engine_request_id(), prompt_ids, options)))
+    return jobs
+
+
+# ----- one choice ----------------------------------------------------------------------------------------
+def token_infos(chunk: TokenChunk, options: SamplingOptions) -> list[TokenInfo]:
+    """One entry per token, with the log-probabilities asked for; an engine that answers with fewer or more
+    log-probabilities than tokens is an engine error, never silently truncated."""
+    count = len(chunk.token_ids)
+    logprobs: list[float | None] = [None] * count
+    top: list[list[tuple[int, float]]] = [[] for _ in range(count)]
+    if options.logprobs:
+        if chunk.logprobs is None or len(chunk.logprobs) != count:
+            got = "none" if chunk.logprobs is None else len(chunk.logprobs)
+            raise engine_error(f"the engine returned {got} log-probabilities for {count} tokens")
+        logprobs = list(chunk.logprobs)
+    if options.top_logprobs:
+        if chunk.top is None or len(chunk.top) != count:
+            raise engine_error(f"the engine returned no top log-probabilities for {count} tokens"
+                               if chunk.top is None else
+                               f"the engine returned top log-probabilities for {len(chunk.top)} of {count} tokens")
+        top = chunk.top
+    return [TokenInfo(token, lp, alternatives) for token, lp, alternatives in zip(chunk.token_ids, logprobs, top)]
+
+
+async def generate_choice(engine: LLMEngine, tokenizer: Tokenizer, job: ChoiceJob, stop: list[str],
+                          usage: UsageCounter, timer: TokenTimer | None = None) -> AsyncIterator[TextDelta]:
+    """Yield text deltas (never empty, never part of a stop string), the last with its finish reason.
+
+    Tokens are taken one at a time even when the engine sends several together, so that the engine
+    request ends (the iterator is closed, which cancels it) at the token that completes a stop string,
+    and that usage and logprobs hold exactly the tokens up to and including that one."""
+    options = job.request.options
+    detokenizer = tokenizer.detokenizer(job.request.prompt_ids)
+    matcher = StopStringMatcher(stop)
+    pending: list[TokenInfo] = []
+    generated = 0
+    async with aclosing(engine.generate(job.request)) as chunks:
+        async for chunk in chunks:
+            if timer is not None:
+                timer.tokens(len(chunk.token_ids))
+            for info in token_infos(chunk, options):
+                generated += 1
+                usage.completion_tokens += 1
+                pending.append(info)
+                text, stopped = matcher.feed(detokenizer.add([info.token_id]))
+                if stopped:
+                    yield TextDelta(text, "stop", pending)
+                    return
+                if text:
+                    yield TextDelta(text, None, pending)
+                    pending = []
+    text, stopped = matcher.feed(detokenizer.flush())
+    if not stopped:
+        text += matcher.flush()
+    # The engine ends a request early only at its end-of-sequence token (an engine-side cancellation
+    # arrives as an error), so an early end is a natural stop.
+    finish = "length" if generated >= options.max_tokens and not stopped else "stop"
+    yield TextDelta(text, finish, pending)
+
+
+# ----- all the choices of one request --------------------------------------------------------------------
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error to answer with from a task group's failures: an OpenAIError if there is one."""
+    errors: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            pending.extend(exc.exceptions)
+        else:
+            errors.append(exc)
+    return next((e for e in errors if isinstance(e, OpenAIError)), errors[0])
+
+
+DeltaHandler = Callable[[int, TextDelta], Awaitable[None]]
+
+
+class Generation:
+    """The engine requests of one HTTP request and their shared usage count."""
+
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, jobs: list[ChoiceJob], stop: list[str],
+                 prompt_tokens: int, hooks: RequestHooks | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.jobs = jobs
+        self.stop = stop
+        self.usage = UsageCounter(prompt_tokens)
+        self.hooks = hooks
+
+    @property
+    def indexes(self) -> list[int]:
+        return [job.index for job in self.jobs]
+
+    async def run(self, on_delta: DeltaHandler) -> None:
+        """Generate every choice concurrently, handing each delta to `on_delta` as it comes. Raises the
+        first failure (OpenAIError) after cancelling every other choice's engine request; cancelling the
+        task that runs this (client gone) cancels them all too."""
+        try:
+            if self.hooks is None:
+                await self._all(on_delta)
+            else:
+                await self.hooks.bounded(self._all(on_delta))
+        except OpenAIError as exc:
+            if self.hooks is not None:
+                self.hooks.record_failure(exc)
+            raise
+
+    async def collect(self) -> dict[int, ChoiceResult]:
+        """Every choice whole, for a non-streamed response."""
+        results = {index: ChoiceResult() for index in self.indexes}
+
+        async def add(index: int, delta: TextDelta) -> None:
+            result = results[index]
+            result.text += delta.text
+            result.tokens += delta.tokens
+            if delta.finish_reason is not None:
+                result.finish_reason = delta.finish_reason
+
+        await self.run(add)
+        return results
+
+    async def _all(self, on_delta: DeltaHandler) -> None:
+        if len(self.jobs) == 1:  # the common case needs no tasks
+            await self._choice(self.jobs[0], on_delta)
+            return
+        try:
+            async with anyio.create_task_group() as group:
+                for job in self.jobs:
+                    group.start_soon(self._choice, job, on_delta)
+        except BaseExceptionGroup as failures:  # the others were cancelled; answer with the first error
+            raise first_error(failures) from None
+
+    async def _choice(self, job: ChoiceJob, on_delta: DeltaHandler) -> None:
+        timer = self.hooks.timer() if self.hooks is not None else None
+        async with aclosing(generate_choice(self.engine, self.tokenizer, job, self.stop, self.usage,
+                                            timer)) as deltas:
+            async for delta in deltas:
+                if self.hooks is not None:
+                    self.hooks.record_delta(delta)
+                await on_delta(job.index, delta)
+
+
+@dataclass(frozen=True)
+class GenerationLimits:
+    """Per-request limits of this server (settings), checked before anything reaches the engine."""
+
+    max_n: int
+    max_prompt_tokens: int = 0  # 0: only the context length
+
+    def check(self, n: int, prompts: list[list[int]], prompt_param: str) -> None:
+        if n > self.max_n:
+            raise invalid_request(f"n must be at most {self.max_n}", "n")
+        longest = max((len(p) for p in prompts), default=0)
+        if self.max_prompt_tokens and longest > self.max_prompt_tokens:
+            raise invalid_request(f"The prompt has {longest} tokens, more than this server's limit of "
+                                  f"{self.max_prompt_tokens}.", prompt_param, "prompt_too_long")

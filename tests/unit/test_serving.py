@@ -1,0 +1,323 @@
+"""The serving layer over a fake engine that scripts token streams, errors and delays: stop strings,
+usage, logprobs, n>1 with a failing choice, cancellation, and the HTTP response around it. No Triton;
+each test runs in milliseconds. Synchronised on events, never on sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import pytest
+
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.engine import EngineMetadata, EngineRequest, SamplingOptions, TokenChunk
+from frontend.errors import OpenAIError, engine_error
+from frontend.renderers import ChatRenderer, CompletionRenderer
+from frontend.responses import GenerationResponse
+from frontend.schemas import CompletionRequest
+from frontend.serving import ChoiceJob, Generation, GenerationLimits, choice_jobs, generate_choice, UsageCounter
+
+EOS = 0
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (ids 1..256 = byte + 1; 0 is the end of sequence), like a byte-fallback
+    tokenizer at worst: characters split across tokens."""
+
+    eos_token_id = EOS
+    pad_token_id = EOS
+
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        return [b + 1 for b in text.encode("utf-8")]
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return bytes(t - 1 for t in ids if t != EOS).decode("utf-8", errors="replace")
+
+    def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.decode, prompt_tail=prompt_ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id - 1])
+
+
+TOKENIZER = ByteTokenizer()
+Script = Callable[[EngineRequest], AsyncIterator[TokenChunk]]
+
+
+@dataclass
+class FakeEngine:
+    """An LLMEngine whose streams a test scripts; records which requests ended early (cancelled)."""
+
+    script: Script
+    requests: list[EngineRequest] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        self.requests.append(request)
+        self.started.set()
+        try:
+            async for chunk in self.script(request):
+                yield chunk
+        except (GeneratorExit, asyncio.CancelledError):  # closed or cancelled before its end
+            self.cancelled.append(request.request_id)
+            raise
+
+    async def is_ready(self) -> bool:
+        return True
+
+    async def metadata(self) -> EngineMetadata:
+        return EngineMetadata("fake", None, 512)
+
+    async def close(self) -> None:
+        pass
+
+
+def tokens_of(text: str, logprobs: bool = False, per_chunk: int = 1) -> Script:
+    """A script that sends `text`'s tokens, `per_chunk` at a time, with logprob -(position) if asked."""
+
+    async def script(request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        ids = TOKENIZER.encode(text)[: request.options.max_tokens]
+        for i in range(0, len(ids), per_chunk):
+            part = ids[i:i + per_chunk]
+            yield TokenChunk(part, [-float(i + k) for k in range(len(part))] if logprobs else None,
+                             [[(t, -0.5)] for t in part] if request.options.top_logprobs else None)
+    return script
+
+
+def job(max_tokens: int = 64, index: int = 0, **options) -> ChoiceJob:
+    return ChoiceJob(index, EngineRequest(f"req-{index}", TOKENIZER.encode("prompt: "),
+                                          SamplingOptions(max_tokens=max_tokens, **options)))
+
+
+async def deltas_of(engine: FakeEngine, choice: ChoiceJob, stop: list[str], usage: UsageCounter) -> list:
+    return [d async for d in generate_choice(engine, TOKENIZER, choice, stop, usage)]
+
+
+# ----- one choice: stop strings, usage, logprobs ----------------------------------------------------------
+@pytest.mark.parametrize("per_chunk", [1, 3, 100])
+async def test_a_stop_string_across_deltas_ends_the_engine_request_and_usage_counts_up_to_it(per_chunk: int) -> None:
+    engine = FakeEngine(tokens_of("hello world, more text after", per_chunk=per_chunk))
+    usage = UsageCounter(prompt_tokens=3)
+    deltas = await deltas_of(engine, job(), ["lo w"], usage)
+    assert "".join(d.text for d in deltas) == "hel"
+    assert deltas[-1].finish_reason == "stop"
+    assert usage.completion_tokens == len("hello w")  # the token that completed the stop string, no more
+    assert sum(len(d.tokens) for d in deltas) == usage.completion_tokens
+    assert engine.cancelled == ["req-0"]  # the engine request was ended, not read to its end
+
+
+async def test_length_and_natural_stop_finish_reasons() -> None:
+    usage = UsageCounter(0)
+    deltas = await deltas_of(FakeEngine(tokens_of("abcdef")), job(max_tokens=4), [], usage)
+    assert "".join(d.text for d in deltas) == "abcd" and deltas[-1].finish_reason == "length"
+    assert usage.completion_tokens == 4
+    usage = UsageCounter(0)
+    deltas = await deltas_of(FakeEngine(tokens_of("ab")), job(max_tokens=4), [], usage)
+    assert deltas[-1].finish_reason == "stop" and usage.completion_tokens == 2
+
+
+async def test_text_that_only_looks_like_a_stop_string_is_released_at_the_end() -> None:
+    deltas = await deltas_of(FakeEngine(tokens_of("say STO")), job(), ["STOP"], UsageCounter(0))
+    assert "".join(d.text for d in deltas) == "say STO" and deltas[-1].finish_reason == "stop"
+
+
+async def test_multibyte_characters_split_across_tokens_are_never_emitted_half() -> None:
+    text = "中文😀 ok"
+    deltas = await deltas_of(FakeEngine(tokens_of(text)), job(), [], UsageCounter(0))
+    assert "".join(d.text for d in deltas) == text
+    assert all("\ufffd" not in d.text for d in deltas)
+
+
+async def test_one_logprob_entry_per_token_and_a_mismatch_is_an_engine_error() -> None:
+    usage = UsageCounter(0)
+    deltas = await deltas_of(FakeEngine(tokens_of("abc", logprobs=True, per_chunk=2)), job(logprobs=True), [], usage)
+    tokens = [t for d in deltas for t in d.tokens]
+    assert [t.logprob for t in tokens] == [-0.0, -1.0, -2.0] and len(tokens) == usage.completion_tokens
+
+    async def short(request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        yield TokenChunk([5, 6], [-1.0])  # two tokens, one logprob
+
+    with pytest.raises(OpenAIError) as caught:
+        await deltas_of(FakeEngine(short), job(logprobs=True), [], UsageCounter(0))
+    assert caught.value.status == 500 and "1 log-probabilities for 2 tokens" in caught.value.message
+
+
+# ----- choices, request ids ---------------------------------------------------------------------------------
+def test_every_choice_gets_its_own_server_made_engine_request_id() -> None:
+    req = CompletionRequest(model="m", prompt=["a", "b"], n=3, seed=7, max_tokens=5)
+    jobs = choice_jobs(req, [[1, 2], [3]], 512, TOKENIZER, None, "prompt")
+    assert [j.index for j in jobs] == list(range(6))
+    ids = {j.request.request_id for j in jobs}
+    assert len(ids) == 6 and all(len(i) == 32 for i in ids)  # uuid4 hex, nothing from the client
+    assert [j.request.options.seed for j in jobs[:3]] == [7, 8, 9]
+    assert all(j.request.options.eos_token_id == EOS and not j.request.options.ignore_eos for j in jobs)
+
+
+def test_limits_name_the_parameter() -> None:
+    with pytest.raises(OpenAIError) as caught:
+        GenerationLimits(max_n=2).check(3, [[1]], "prompt")
+    assert caught.value.param == "n"
+    with pytest.raises(OpenAIError) as caught:
+        GenerationLimits(max_n=2, max_prompt_tokens=2).check(1, [[1, 2, 3]], "messages")
+    assert caught.value.param == "messages" and caught.value.code == "prompt_too_long"
+
+
+def failing_choice(fail_index: int, gate: asyncio.Event) -> Script:
+    """Choice `fail_index` fails after one token; the others send one token and then wait on `gate`."""
+
+    async def script(request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        yield TokenChunk(TOKENIZER.encode("x"))
+        if request.request_id.endswith(f"-{fail_index}"):
+            raise engine_error("the engine failed the request: injected")
+        await gate.wait()
+        yield TokenChunk(TOKENIZER.encode("y"))
+    return script
+
+
+def three_choices() -> list[ChoiceJob]:
+    return [job(index=i) for i in range(3)]
+
+
+async def test_n3_one_failing_choice_cancels_the_other_two_engine_requests() -> None:
+    gate = asyncio.Event()
+    engine = FakeEngine(failing_choice(1, gate))
+    generation = Generation(engine, TOKENIZER, three_choices(), [], 3)
+    with pytest.raises(OpenAIError) as caught:
+        await asyncio.wait_for(generation.collect(), 5)
+    assert "injected" in caught.value.message
+    assert sorted(engine.cancelled) == ["req-0", "req-2"]
+    assert not gate.is_set()
+
+
+async def test_cancelling_the_generation_cancels_every_engine_request() -> None:
+    gate = asyncio.Event()
+    engine = FakeEngine(failing_choice(99, gate))
+    generation = Generation(engine, TOKENIZER, three_choices(), [], 3)
+    task = asyncio.create_task(generation.collect())
+    while len(engine.requests) < 3:
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(engine.cancelled) == ["req-0", "req-1", "req-2"]
+
+
+async def test_usage_of_several_choices_adds_up() -> None:
+    generation = Generation(FakeEngine(tokens_of("abcd")), TOKENIZER, [job(index=i, max_tokens=3) for i in range(2)],
+                            [], prompt_tokens=5)
+    results = await generation.collect()
+    assert {i: (r.text, r.finish_reason) for i, r in results.items()} == {0: ("abc", "length"), 1: ("abc", "length")}
+    assert generation.usage.as_dict() == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+
+
+# ----- the HTTP response: SSE, errors before and after the first token, disconnects -------------------------
+class Client:
+    """The ASGI side of one HTTP exchange: what the response sent, and a disconnect the test triggers."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict] = []
+        self.leave = asyncio.Event()
+        self.first_body = asyncio.Event()
+
+    async def receive(self) -> dict:
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        self.messages.append(message)
+        if message["type"] == "http.response.body":
+            self.first_body.set()
+
+    @property
+    def status(self) -> int:
+        return next(m["status"] for m in self.messages if m["type"] == "http.response.start")
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body")
+
+    def events(self) -> list[str]:
+        return [line[6:] for line in self.body.decode().splitlines() if line.startswith("data: ")]
+
+
+def completion_response(engine: FakeEngine, jobs: list[ChoiceJob], stream: bool, stop: list[str] = ()) -> GenerationResponse:
+    generation = Generation(engine, TOKENIZER, jobs, list(stop), 3)
+    renderer = CompletionRenderer("m", None, TOKENIZER, {})
+    return GenerationResponse(generation, renderer, stream=stream, include_usage=True, request_id="client-id")
+
+
+async def test_streamed_and_non_streamed_responses_carry_the_same_text_and_usage() -> None:
+    streamed, whole = Client(), Client()
+    await completion_response(FakeEngine(tokens_of("hello world")), [job()], True, ["wor"])({}, streamed.receive, streamed.send)
+    await completion_response(FakeEngine(tokens_of("hello world")), [job()], False, ["wor"])({}, whole.receive, whole.send)
+    events = streamed.events()
+    assert events[-1] == "[DONE]" and streamed.status == 200
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    body = json.loads(whole.body)
+    assert text == body["choices"][0]["text"] == "hello "
+    assert chunks[-1]["usage"] == body["usage"] and body["usage"]["completion_tokens"] == len("hello wor")
+    assert (dict(whole.messages[0]["headers"])[b"x-request-id"] == b"client-id")
+
+
+async def test_a_failure_before_the_first_token_is_an_http_error_and_after_it_an_error_event() -> None:
+    async def fails_at_once(request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        raise engine_error("boom")
+        yield  # pragma: no cover
+
+    client = Client()
+    await completion_response(FakeEngine(fails_at_once), [job()], True)(
+        {}, client.receive, client.send)
+    assert client.status == 500 and json.loads(client.body)["error"]["message"] == "boom"
+
+    client = Client()
+    await completion_response(FakeEngine(failing_choice(0, asyncio.Event())), [job()], True)(
+        {}, client.receive, client.send)
+    events = client.events()
+    assert client.status == 200 and events[-1] == "[DONE]"
+    assert "injected" in json.loads(events[-2])["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_leaving_before_the_first_token_cancels_the_engine_request_at_once(stream: bool) -> None:
+    async def never_starts(request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        await asyncio.Event().wait()
+        yield TokenChunk([1])  # pragma: no cover
+
+    engine = FakeEngine(never_starts)
+    client = Client()
+    sending = asyncio.create_task(completion_response(engine, [job()], stream)({}, client.receive, client.send))
+    await engine.started.wait()
+    client.leave.set()
+    await asyncio.wait_for(sending, 5)
+    assert engine.cancelled == ["req-0"]
+    assert client.status == 499  # for the access log; nobody reads it
+
+
+async def test_a_client_leaving_mid_stream_cancels_every_choice() -> None:
+    gate = asyncio.Event()
+    engine = FakeEngine(failing_choice(99, gate))
+    client = Client()
+    sending = asyncio.create_task(completion_response(engine, three_choices(), True)({}, client.receive, client.send))
+    await client.first_body.wait()
+    client.leave.set()
+    await asyncio.wait_for(sending, 5)
+    assert sorted(engine.cancelled) == ["req-0", "req-1", "req-2"]
+    assert b"[DONE]" not in client.body
+
+
+def test_chat_renderer_streams_role_first_then_content_then_finish() -> None:
+    from frontend.serving import TextDelta
+    renderer = ChatRenderer("m", [0], None, TOKENIZER)
+    frames = renderer.stream_start() + renderer.stream_delta(0, TextDelta("hi", "stop"))
+    chunks = [json.loads(f.decode()[6:]) for f in frames]
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"role": "assistant", "content": ""}, {"content": "hi"}, {}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and len({c["id"] for c in chunks}) == 1
