@@ -41,6 +41,16 @@ KNOWN_ROUTES = GENERATION_PATHS + HEALTH_PATHS + ("/v1/models", "/tokenize", "/d
 TIMEOUT_HEADER = "x-request-timeout"
 
 
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's X-Request-Id, kept for the access log and echoed back, if it is a plausible id
+    (printable ASCII, at most 128 characters). It only labels the request: engine requests get ids
+    this server makes, so a reused or forged id cannot touch anyone else's generation."""
+    return value if value is not None and _REQUEST_ID.fullmatch(value) else None
+
+
 def route_label(path: str) -> str:
     """A bounded set of label values (clients choose paths; metrics must not grow with them)."""
     if path in KNOWN_ROUTES:
@@ -239,9 +249,7 @@ class EdgeMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
-        if "x-request-id" not in headers:  # the routes and Triton use the same id as the log
-            scope["headers"] = list(scope.get("headers", [])) + [(b"x-request-id", request_id.encode())]
+        request_id = client_request_id(headers.get("x-request-id")) or uuid.uuid4().hex
         path = scope.get("path", "")
         ctx = RequestContext(request_id, route_label(path), scope.get("method", ""), time.monotonic(), edge=self.edge)
         scope.setdefault("state", {})["ctx"] = ctx
