@@ -4,6 +4,14 @@ Triton's `execute()` must return at once for a decoupled model, so requests are 
 thread-safe inbox and the loop thread alone touches the scheduler. Cancellation by the client (Triton's
 `is_cancelled()`) is polled at most every `cancel_poll_s`, since each poll crosses a process boundary;
 `cancelled` gets all requests of a poll at once so that the glue can make those round trips together.
+A request the poll finds cancelled is cancelled by identity: request ids are client labels and two
+clients may share one, and one client leaving must not end the other's request.
+
+The loop thread must never end silently: every open request would wait forever while the server still
+looks healthy. Any exception that escapes the loop (anything outside `scheduler.step()`, which contains
+its own failures) kills the engine on purpose: every open request (running, waiting, still in the
+inbox) gets an error response, `alive` turns false, `failure` says why, `submit()` refuses new requests
+at once with EngineFailedError, and `on_failure` tells the glue (which takes the model out of service).
 """
 
 from __future__ import annotations
@@ -19,11 +27,15 @@ import torch
 
 from cpu_engine.config import EngineConfig
 from cpu_engine.runner import LlamaRunner
-from cpu_engine.scheduler import EngineStats, GenerationRequest, Scheduler
+from cpu_engine.scheduler import EngineStats, GenerationRequest, RequestError, Scheduler, send_error_safely
 
 log = logging.getLogger(__name__)
 
 MIN_STATS_SPACING_S = 0.02
+
+
+class EngineFailedError(RequestError):
+    """The engine thread died; no request can be served until the model is loaded again."""
 
 
 def configure_threads(num_threads: int) -> int:
@@ -36,21 +48,29 @@ class Engine:
     def __init__(self, scheduler: Scheduler,
                  cancelled: Callable[[list[GenerationRequest]], list[bool]] | None = None,
                  cancel_poll_s: float = 0.02, on_stats: Callable[[EngineStats], None] | None = None,
-                 stats_period_s: float = 0.1, after_step: Callable[[], None] | None = None):
+                 stats_period_s: float = 0.1, after_step: Callable[[], None] | None = None,
+                 on_failure: Callable[[str], None] | None = None):
         """`after_step` runs on the engine thread after every step, before the next: the Triton glue
-        waits there for the step's responses to be delivered."""
+        waits there for the step's responses to be delivered (and the failure guard calls it once more to
+        deliver the error responses). `on_failure` runs once on the engine thread, with the reason, after
+        the engine died and every open request got its error."""
         self.scheduler = scheduler
         self._after_step = after_step
         self._cancelled = cancelled
         self._cancel_poll_s = cancel_poll_s
         self._on_stats = on_stats
+        self._on_failure = on_failure
         self._stats_period_s = stats_period_s
         self._published_occupancy: tuple[int, int] | None = None
         self._published_at = 0.0
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        # Held while checking `_failure` and putting into the inbox, and while setting `_failure`: once
+        # the engine is dead no request can slip into the inbox after the guard emptied it.
+        self._admission = threading.Lock()
+        self._failure: str | None = None
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="cpu-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="cpu-engine", daemon=True)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: object) -> "Engine":
@@ -67,23 +87,57 @@ class Engine:
                           for n, s in sorted(self.scheduler.prefill_budget.costs.decode_step_s.items()))
         return f"CPU engine: {torch.get_num_threads()} threads; plain decode step by batch size {{{steps}}}"
 
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs and has not failed."""
+        return self._failure is None and self._thread.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine died (the exception, as text), or None."""
+        return self._failure
+
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopped.set()
         self._wakeup.set()
-        if self._thread.is_alive():
+        self.join(timeout_s)
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for the loop thread to end; True if it has ended (or never started)."""
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def submit(self, request: GenerationRequest) -> None:
-        """Raises RequestError at once for a request that can never run."""
+        """Raises RequestError at once for a request that can never run, EngineFailedError if the engine
+        died."""
         self.scheduler.validate(request)
-        self._inbox.put(("add", request))
-        self._wakeup.set()
+        self._put("add", request)
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+    def cancel(self, request: GenerationRequest) -> None:
+        """Cancel exactly this request (its client went away); it ends with a plain final response."""
+        self._put_cancellation("cancel", request)
+
+    def cancel_by_id(self, request_id: str) -> None:
+        """TensorRT-LLM's `stop` input: cancel every request now in the engine with this id; they end with
+        an error response (see Scheduler.cancel_by_id)."""
+        self._put_cancellation("cancel_by_id", request_id)
+
+    def _put_cancellation(self, kind: str, item: object) -> None:
+        """A dead engine already ended every request with an error: nothing is left to cancel."""
+        try:
+            self._put(kind, item)
+        except EngineFailedError:
+            pass
+
+    def _put(self, kind: str, item: object) -> None:
+        with self._admission:
+            if self._failure is not None:
+                raise EngineFailedError(f"the engine has failed and accepts no requests ({self._failure})")
+            self._inbox.put((kind, item))
         self._wakeup.set()
 
     def _drain_inbox(self) -> None:
@@ -94,25 +148,27 @@ class Engine:
                 return
             if kind == "add":
                 self.scheduler.waiting.append(item)  # already validated in submit()
-            else:
+            elif kind == "cancel":
                 self.scheduler.cancel(item)
+            else:
+                self.scheduler.cancel_by_id(item)
 
     def _poll_cancellations(self) -> None:
-        requests = [s.request for s in self.scheduler.running] + list(self.scheduler.waiting)
+        requests = self.scheduler.live_requests()
         if self._cancelled is None or not requests:
             return
         for request, cancelled in zip(requests, self._cancelled(requests)):
             if cancelled:
-                self.scheduler.cancel(request.request_id)
+                self.scheduler.cancel(request)
 
-    def _publish_stats(self, now: float) -> None:
+    def _publish_stats(self, now: float, force: bool = False) -> None:
         """Report every stats_period_s, busy or idle, and sooner when requests join or leave. Triton may
         apply two metric updates sent within a millisecond out of order, so updates are spaced out and
         repeated: a gauge is never wrong for longer than one period."""
         occupancy = (len(self.scheduler.running), len(self.scheduler.waiting))
         since = now - self._published_at
-        if self._on_stats is None or since < MIN_STATS_SPACING_S or (
-                occupancy == self._published_occupancy and since < self._stats_period_s):
+        if self._on_stats is None or (not force and (since < MIN_STATS_SPACING_S or (
+                occupancy == self._published_occupancy and since < self._stats_period_s))):
             return
         self._published_occupancy, self._published_at = occupancy, now
         try:
@@ -120,25 +176,68 @@ class Engine:
         except Exception:  # metrics must never stop the engine
             log.exception("publishing engine stats failed")
 
+    def _run(self) -> None:
+        """The thread's body: the loop under the guard that makes a crash loud instead of a hang."""
+        try:
+            with torch.inference_mode():
+                self._loop()
+        except BaseException as exc:  # whatever ends the thread, no request may hang
+            self._die(exc)
+
     def _loop(self) -> None:
         last_poll = 0.0
-        with torch.inference_mode():
-            while not self._stopped.is_set():
-                self._drain_inbox()
-                if not self.scheduler.has_work:
-                    self._publish_stats(time.monotonic())
-                    self._wakeup.wait(timeout=self._stats_period_s)
-                    self._wakeup.clear()
-                    continue
-                now = time.monotonic()
-                if now - last_poll >= self._cancel_poll_s:
-                    self._poll_cancellations()
-                    last_poll = now
-                try:
-                    self.scheduler.step()
-                except Exception:  # keep serving; the scheduler already failed the step's requests
-                    log.exception("engine step failed")
-                finally:
-                    if self._after_step is not None:
-                        self._after_step()
-                self._publish_stats(now)
+        while not self._stopped.is_set():
+            self._drain_inbox()
+            if not self.scheduler.has_work:
+                self._publish_stats(time.monotonic())
+                self._wakeup.wait(timeout=self._stats_period_s)
+                self._wakeup.clear()
+                continue
+            now = time.monotonic()
+            if now - last_poll >= self._cancel_poll_s:
+                self._poll_cancellations()
+                last_poll = now
+            try:
+                self.scheduler.step()
+            except Exception:  # keep serving; the scheduler already failed the step's requests
+                log.exception("engine step failed")
+            finally:
+                if self._after_step is not None:
+                    self._after_step()
+            self._publish_stats(now)
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail every open request, refuse new ones, tell the glue. Each part is guarded on its own so
+        that one failing cannot keep the later ones from running."""
+        log.critical("the engine thread failed; failing every open request and refusing new ones",
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        with self._admission:
+            self._failure = f"{type(exc).__name__}: {exc}"
+        message = f"the engine failed and cannot serve requests ({self._failure})"
+        self._guarded(lambda: self.scheduler.fail_all(message), "failing the open requests")
+        for request in self._drain_requests():
+            send_error_safely(request, message)
+        self._guarded(self._after_step, "delivering the error responses")
+        self._publish_stats(time.monotonic(), force=True)
+        if self._on_failure is not None:
+            self._guarded(lambda: self._on_failure(self._failure), "reporting the engine failure")
+
+    def _drain_requests(self) -> list[GenerationRequest]:
+        """Empty the inbox (nothing more can enter it): the requests submitted but not yet taken."""
+        requests = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return requests
+            if kind == "add":
+                requests.append(item)
+
+    @staticmethod
+    def _guarded(action: Callable[[], object] | None, what: str) -> None:
+        if action is None:
+            return
+        try:
+            action()
+        except Exception:  # the engine is already dead; the next steps must still run
+            log.exception("%s after the engine failed raised", what)

@@ -7,12 +7,19 @@ prompt and spends the rest of the `max_num_tokens` budget on prompt chunks (less
 see PrefillBudget), so a long prompt is read a chunk at a time while the other streams keep producing
 tokens. Finished and cancelled sequences leave at the end of the step and their slot is free for the next
 one.
+
+Cancellation comes in two kinds, because request ids are labels chosen by clients and need not be unique:
+`cancel(request)` ends exactly that request (its client went away: it ends like any other request, with a
+final response nobody reads), while `cancel_by_id(request_id)` is TensorRT-LLM's `stop` input, sent by
+someone else, and ends every request with that id with an error, so that its client never mistakes the
+early end for a normal one.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import random
 import time
 from collections import deque
@@ -23,6 +30,8 @@ import torch
 
 from cpu_engine.runner import Chunk
 from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
+
+log = logging.getLogger(__name__)
 
 
 class FinishReason(str, enum.Enum):
@@ -53,6 +62,9 @@ class RequestError(ValueError):
     """A request the engine refuses; the message goes back to the client as is."""
 
 
+STOPPED_BY_ID = "the request was cancelled by a stop request"
+
+
 @dataclass
 class GenerationRequest:
     request_id: str
@@ -71,7 +83,6 @@ class Sequence:
     generator: torch.Generator | None
     output: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the slot
-    cancelled: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -95,6 +106,7 @@ class EngineStats:
     steps_total: int
     prompt_tokens_total: int
     generated_tokens_total: int
+    cancelled_requests_total: int  # ended cancelled, waiting or running, whatever the cause
 
 
 class StepCosts:
@@ -204,12 +216,15 @@ class Scheduler:
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[Sequence] = []
         self.free_slots: list[int] = list(range(runner.num_slots))
-        self._cancel_ids: set[str] = set()
+        # id(request) -> (request, error message or None for a plain cancelled end); holding the request
+        # keeps its id from being reused before the mark is consumed at the next step boundary.
+        self._cancel_marks: dict[int, tuple[GenerationRequest, str | None]] = {}
         self._seed_source = random.Random()
         self.steps = 0
         self.last_step_tokens = 0
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
+        self.cancelled_requests_total = 0
 
     def calibrate(self, context: int = 64, repeats: int = 2) -> None:
         """Time plain decode steps at a few batch sizes and one mixed step, so the prefill budget is right
@@ -263,9 +278,50 @@ class Scheduler:
         self.validate(request)
         self.waiting.append(request)
 
-    def cancel(self, request_id: str) -> None:
-        """Mark a request to leave at the next step boundary, whether waiting or running."""
-        self._cancel_ids.add(request_id)
+    def cancel(self, request: GenerationRequest) -> None:
+        """Mark exactly this request (by identity, never by id: ids are client labels and may repeat) to
+        leave at the next step boundary, whether waiting or running; it ends with a plain CANCELLED final
+        response. For a request whose own client went away."""
+        self._cancel_marks.setdefault(id(request), (request, None))
+
+    def cancel_by_id(self, request_id: str, message: str = STOPPED_BY_ID) -> int:
+        """TensorRT-LLM's `stop` input: every request now waiting or running with this id leaves at the
+        next step boundary with an error response carrying `message` (its client is still there and must
+        not read the early end as a normal one). Requests that arrive later are not affected. Returns how
+        many requests were marked."""
+        matching = [r for r in self.live_requests() if r.request_id == request_id]
+        for request in matching:
+            self._cancel_marks[id(request)] = (request, message)
+        return len(matching)
+
+    def abort(self, request: GenerationRequest, message: str) -> bool:
+        """End one request now with an error, wherever it is; its slot is free at once. False if the
+        request is not in the engine (already finished)."""
+        seq = next((s for s in self.running if s.request is request), None)
+        if seq is not None:
+            self._release(seq)
+        elif any(r is request for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if r is not request)
+        else:
+            return False
+        request.sink.send_error(message)
+        return True
+
+    def fail_all(self, message: str) -> list[GenerationRequest]:
+        """End every request in the engine with an error (the engine cannot go on); returns them. A sink
+        that raises does not keep the others from being told."""
+        failed = self.live_requests()
+        for seq in list(self.running):
+            self._release(seq)
+        self.waiting = deque()
+        self._cancel_marks = {}
+        for request in failed:
+            send_error_safely(request, message)
+        return failed
+
+    def live_requests(self) -> list[GenerationRequest]:
+        """Every request in the engine: running first, then waiting in order."""
+        return [s.request for s in self.running] + list(self.waiting)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -278,6 +334,7 @@ class Scheduler:
             steps_total=self.steps,
             prompt_tokens_total=self.prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
+            cancelled_requests_total=self.cancelled_requests_total,
         )
 
     @property
@@ -295,21 +352,24 @@ class Scheduler:
             self.running.append(Sequence(request, self.free_slots.pop(0), generator))
 
     def _drop_cancelled(self) -> None:
-        if not self._cancel_ids:
+        """Retire the requests marked by cancel()/cancel_by_id(); marks for requests that finished
+        meanwhile are dropped with the rest."""
+        if not self._cancel_marks:
             return
-        ids = self._cancel_ids
-        kept_waiting = deque()
-        for request in self.waiting:
-            if request.request_id in ids:
+        marks, self._cancel_marks = self._cancel_marks, {}
+        ended = [r for r in self.waiting if id(r) in marks]
+        if ended:
+            self.waiting = deque(r for r in self.waiting if id(r) not in marks)
+        for seq in [s for s in self.running if id(s.request) in marks]:
+            self._release(seq)
+            ended.append(seq.request)
+        for request in ended:
+            self.cancelled_requests_total += 1
+            message = marks[id(request)][1]
+            if message is None:
                 request.sink.send([], FinishReason.CANCELLED)
             else:
-                kept_waiting.append(request)
-        self.waiting = kept_waiting
-        for seq in self.running:
-            if seq.request.request_id in ids:
-                seq.cancelled = True
-        self._finish([s for s in self.running if s.cancelled], FinishReason.CANCELLED)
-        self._cancel_ids = set()
+                request.sink.send_error(message)
 
     def _release(self, seq: Sequence) -> None:
         """Take a sequence out of the batch; its slot goes back to the pool (lowest first)."""
@@ -403,6 +463,14 @@ class Scheduler:
             if reason is not None:
                 self._release(seq)
             request.sink.send([result], reason)
+
+
+def send_error_safely(request: GenerationRequest, message: str) -> None:
+    """Send a request its error response; log instead of raising, for loops that must reach every request."""
+    try:
+        request.sink.send_error(message)
+    except Exception:  # one broken sink must not keep the others from their error
+        log.exception("sending the error response of request %r failed", request.request_id)
 
 
 _ids = itertools.count()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -11,11 +10,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cpu_engine.config import EngineConfig
-from cpu_engine.engine import Engine
+from cpu_engine.engine import Engine, EngineFailedError
 from cpu_engine.runner import Chunk, LlamaRunner, Projection
 from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
-from cpu_engine.scheduler import (FinishReason, GenerationRequest, PrefillBudget, RequestError, Scheduler,
-                                  StepCosts)
+from cpu_engine.scheduler import (STOPPED_BY_ID, FinishReason, GenerationRequest, PrefillBudget, RequestError,
+                                  Scheduler, StepCosts)
 
 VOCAB = 512
 
@@ -39,22 +38,30 @@ def make_scheduler(checkpoint: Path, slots: int = 4, max_seq_len: int = 256,
 
 
 class ListSink:
+    """Collects what the engine sends; `done` is set by the last response (final or error), so tests
+    that run the engine thread wait on it instead of polling."""
+
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
         self.finish: FinishReason | None = None
         self.error: str | None = None
+        self.done = threading.Event()
 
     def send(self, tokens: list[SampledToken], finish: FinishReason | None) -> None:
-        assert self.finish is None, "nothing may follow the final response"
+        assert not self.done.is_set(), "nothing may follow the final response"
         self.tokens += [t.token for t in tokens]
         self.logprobs += [t.logprob for t in tokens]
         self.top += [t.top for t in tokens]
         self.finish = finish
+        if finish is not None:
+            self.done.set()
 
     def send_error(self, message: str) -> None:
+        assert not self.done.is_set(), "nothing may follow the final response"
         self.error = message
+        self.done.set()
 
 
 def request(rid: str, prompt: list[int], max_new: int, **kwargs) -> GenerationRequest:
@@ -150,7 +157,7 @@ def test_cancelled_request_frees_its_slot_for_the_next(checkpoint: Path) -> None
     for _ in range(3):
         scheduler.step()
     assert scheduler.running[0].request is long_one and list(scheduler.waiting) == [waiting]
-    scheduler.cancel("long")
+    scheduler.cancel(long_one)
     scheduler.step()
     assert long_one.sink.finish is FinishReason.CANCELLED and len(long_one.sink.tokens) < 200
     assert scheduler.running[0].request is waiting
@@ -346,27 +353,182 @@ def test_engine_loop_calls_after_step_between_steps(checkpoint: Path) -> None:
     assert sent_at_flush[:5] == [1, 2, 3, 4, 5]  # one flush after every step, none skipped
 
 
-def test_engine_polls_cancellation_for_all_requests_at_once(checkpoint: Path) -> None:
-    polls: list[list[str]] = []
-    victim, bystander = request("victim", prompt_of(5), 200), request("bystander", prompt_of(7), 6)
+def test_engine_polls_cancellation_for_all_requests_at_once_and_cancels_by_identity(checkpoint: Path) -> None:
+    """Two clients chose the same request id; the one that went away must not take the other with it."""
+    polls: list[list[GenerationRequest]] = []
+    victim, bystander = request("shared", prompt_of(5), 200), request("shared", prompt_of(7), 6)
 
     def cancelled(requests: list[GenerationRequest]) -> list[bool]:
-        polls.append([r.request_id for r in requests])
-        return [r.request_id == "victim" and len(victim.sink.tokens) >= 3 for r in requests]
+        polls.append(list(requests))
+        return [r is victim and len(victim.sink.tokens) >= 3 for r in requests]
 
     engine = Engine(make_scheduler(checkpoint), cancelled=cancelled, cancel_poll_s=0.0)
     engine.start()
     try:
         engine.submit(victim)
         engine.submit(bystander)
-        deadline = time.monotonic() + 60
-        while (victim.sink.finish is None or bystander.sink.finish is None) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert victim.sink.done.wait(60) and bystander.sink.done.wait(60)
     finally:
         engine.stop()
-    assert victim.sink.finish is FinishReason.CANCELLED and 3 <= len(victim.sink.tokens) < 200
+    assert victim.sink.finish is FinishReason.CANCELLED and victim.sink.error is None
+    assert 3 <= len(victim.sink.tokens) < 200
     assert bystander.sink.finish is FinishReason.LENGTH and len(bystander.sink.tokens) == 6
-    assert ["victim", "bystander"] in polls  # one call per poll, every request in it
+    assert any(len(poll) == 2 and poll[0] is victim and poll[1] is bystander for poll in polls)  # one call, both
+    assert engine.scheduler.stats().cancelled_requests_total == 1
+
+
+def test_cancel_by_identity_leaves_a_request_with_the_same_id_running(checkpoint: Path) -> None:
+    scheduler = make_scheduler(checkpoint, slots=2)
+    first, second = request("same", prompt_of(5), 50), request("same", prompt_of(6), 8)
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.step()
+    scheduler.cancel(first)
+    run_until_done(scheduler)
+    assert first.sink.finish is FinishReason.CANCELLED and first.sink.error is None
+    assert second.sink.finish is FinishReason.LENGTH and len(second.sink.tokens) == 8
+    assert scheduler.free_slots == [0, 1]
+
+
+def test_cancel_by_id_ends_every_request_with_that_id_with_an_error(checkpoint: Path) -> None:
+    """The `stop` input comes from someone else: its targets must not end as if they had finished."""
+    scheduler = make_scheduler(checkpoint, slots=2)
+    running, waiting, other = (request("x", prompt_of(5), 50), request("x", prompt_of(6), 50),
+                               request("y", prompt_of(7), 5))
+    for r in (running, other, waiting):  # two slots: `waiting` waits behind the other two
+        scheduler.add(r)
+    scheduler.step()
+    assert list(scheduler.waiting) == [waiting]
+    assert scheduler.cancel_by_id("x") == 2
+    later = request("x", prompt_of(4), 3)  # arrives after the stop: not its target
+    scheduler.add(later)
+    run_until_done(scheduler)
+    for target in (running, waiting):
+        assert target.sink.error == STOPPED_BY_ID and target.sink.finish is None
+    assert other.sink.finish is FinishReason.LENGTH and len(other.sink.tokens) == 5
+    assert later.sink.finish is FinishReason.LENGTH and later.sink.error is None
+    assert scheduler.cancel_by_id("nobody") == 0
+
+
+def test_cancelled_counter_counts_waiting_and_running_whatever_the_cause(checkpoint: Path) -> None:
+    scheduler = make_scheduler(checkpoint, slots=1)
+    running, waiting, stopped = (request("a", prompt_of(5), 50), request("b", prompt_of(5), 50),
+                                 request("c", prompt_of(5), 50))
+    for r in (running, waiting, stopped):
+        scheduler.add(r)
+    scheduler.step()
+    assert scheduler.stats().cancelled_requests_total == 0
+    scheduler.cancel(running)
+    scheduler.cancel(waiting)
+    scheduler.cancel_by_id("c")
+    scheduler.step()
+    assert scheduler.stats().cancelled_requests_total == 3
+    assert not scheduler.has_work
+    finished = request("d", prompt_of(5), 2)
+    scheduler.add(finished)
+    run_until_done(scheduler)
+    scheduler.cancel(finished)  # too late: it already ended, nothing is counted
+    scheduler.step()
+    assert scheduler.stats().cancelled_requests_total == 3
+    assert finished.sink.finish is FinishReason.LENGTH
+
+
+def test_engine_cancel_by_id_goes_through_the_loop(checkpoint: Path) -> None:
+    first_token, stop_sent = threading.Event(), threading.Event()
+    target = request("stop-me", prompt_of(5), 200)
+
+    def after_step() -> None:
+        if target.sink.tokens and not first_token.is_set():
+            first_token.set()
+            stop_sent.wait(60)  # hold the loop so that the stop is in before the target can finish
+
+    engine = Engine(make_scheduler(checkpoint), after_step=after_step)
+    engine.start()
+    try:
+        engine.submit(target)
+        assert first_token.wait(60)
+        engine.cancel_by_id("stop-me")
+        stop_sent.set()
+        assert target.sink.done.wait(60)
+    finally:
+        engine.stop()
+    assert target.sink.error == STOPPED_BY_ID and len(target.sink.tokens) == 1
+
+
+class InjectedCrash(RuntimeError):
+    pass
+
+
+def test_engine_thread_failure_fails_every_open_request_and_refuses_new_ones(checkpoint: Path) -> None:
+    """An exception outside scheduler.step() (here: in after_step) must not leave anything hanging: the
+    running request, the waiting one and the one still in the inbox all get an error."""
+    in_after_step, crash_now, failed = threading.Event(), threading.Event(), threading.Event()
+    reasons: list[str] = []
+    running, waiting, in_inbox = (request("r", prompt_of(5), 200), request("w", prompt_of(5), 200),
+                                  request("i", prompt_of(5), 200))
+
+    def after_step() -> None:
+        if running.sink.tokens and not crash_now.is_set():
+            in_after_step.set()
+            crash_now.wait(60)  # the test fills the inbox meanwhile
+            raise InjectedCrash("injected")
+
+    def on_failure(reason: str) -> None:
+        reasons.append(reason)
+        failed.set()
+
+    engine = Engine(make_scheduler(checkpoint, slots=1), after_step=after_step, on_failure=on_failure)
+    engine.start()
+    try:
+        engine.submit(running)
+        engine.submit(waiting)
+        assert in_after_step.wait(60)
+        engine.submit(in_inbox)  # the loop is held in after_step: this stays in the inbox
+        crash_now.set()
+        assert failed.wait(60)
+        assert engine.join(10)  # the thread ended
+        assert not engine.alive and "InjectedCrash: injected" in (engine.failure or "")
+        assert reasons == [engine.failure]
+        for r in (running, waiting, in_inbox):
+            assert r.sink.done.is_set() and r.sink.finish is None
+            assert r.sink.error is not None and "InjectedCrash: injected" in r.sink.error
+        with pytest.raises(EngineFailedError, match="the engine has failed.*InjectedCrash"):
+            engine.submit(request("late", prompt_of(5), 4))
+        engine.cancel_by_id("r")  # nothing left to stop: no error either
+    finally:
+        engine.stop()
+
+
+def test_engine_thread_failure_in_the_cancellation_poll_is_caught_too(checkpoint: Path) -> None:
+    def cancelled(requests: list[GenerationRequest]) -> list[bool]:
+        raise InjectedCrash("poll broke")
+
+    failed = threading.Event()
+    engine = Engine(make_scheduler(checkpoint), cancelled=cancelled, on_failure=lambda _: failed.set())
+    assert not engine.alive  # not started yet
+    engine.start()
+    victim = request("v", prompt_of(5), 10)
+    try:
+        engine.submit(victim)
+        assert failed.wait(60) and victim.sink.done.wait(60)
+    finally:
+        engine.stop()
+    assert "poll broke" in (victim.sink.error or "") and not engine.alive
+    with pytest.raises(RequestError):  # what model.py's execute() turns into an error response
+        engine.submit(request("late", prompt_of(5), 4))
+
+
+def test_scheduler_abort_ends_one_request_with_an_error(checkpoint: Path) -> None:
+    scheduler = make_scheduler(checkpoint, slots=1)
+    running, waiting = request("a", prompt_of(5), 50), request("b", prompt_of(5), 3)
+    scheduler.add(running)
+    scheduler.add(waiting)
+    scheduler.step()
+    assert scheduler.abort(running, "injected failure")
+    assert running.sink.error == "injected failure" and scheduler.free_slots == [0]
+    assert not scheduler.abort(running, "again")  # already gone
+    run_until_done(scheduler)
+    assert waiting.sink.finish is FinishReason.LENGTH
 
 
 def test_engine_bench_measures_plain_steps_through_the_runner(checkpoint: Path) -> None:

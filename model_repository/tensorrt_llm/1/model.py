@@ -4,11 +4,35 @@ Decoupled: `execute()` only parses each request and hands it to the engine loop 
 answers through the request's response sender: one response per new token when `streaming` is true,
 one response with every token otherwise; the last response carries the FINAL flag. Shapes follow the
 TensorRT-LLM backend: `output_ids` [1, beams, len], `sequence_length` [1, beams], and so on.
+
+Cancellation: a request whose client went away (Triton's `is_cancelled()`) is cancelled by identity and
+ends with a plain FINAL response; the `stop` input (TensorRT-LLM semantics: cancel the requests that
+carry this request id) ends those requests with an error response, since their clients are still there.
+
+If the engine thread dies (see cpu_engine.engine), every open request gets an error response, every later
+request is refused at once with an error response, and the model asks Triton to unload it, so that Triton
+reports it not ready where it can. Measured with the tritonserver 2.51 of the nvidia-pytriton wheel
+(tests/integration/test_engine_knobs.py; the stub-exit case with a toy decoupled Python model):
+- In `--model-control-mode=explicit` (with `--load-model=*`), `pb_utils.unload_model(<own name>)` returns
+  at once and the unload starts: `/v2/models/<name>/ready` is 400 (gRPC ModelReady false) from then on,
+  and so is the ensemble's (Triton tracks composing models), so a readiness check built on
+  is_model_ready (the frontend's /health/ready) fails; requests get "Request for unknown model: '<name>'
+  has no available versions" at once; finalize() runs ~1.5 s later. `/v2/health/ready` is 400 only while
+  the unload is in progress, then 200 again (strict readiness counts loaded models only). Loading the
+  model again (POST /v2/repository/models/<name>/load) brings a fresh engine, and the ensemble with it.
+- In the default mode (none) Triton refuses the unload ("explicit model load / unload is not allowed if
+  polling is enabled"): nothing can make the model not ready. It stays READY, and the dead engine refuses
+  every request at once with an error response naming the failure, until tritonserver restarts.
+- This Python backend has no other way to mark a model not ready: readiness is the model's load state. A
+  stub process that exits (os._exit) leaves the model and the server READY; every later request waits
+  ~1 s and then gets "Stub process '<model>_0_0' is not healthy.", and the stub is not restarted. Worse
+  than refusing at once, so the stub stays up.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -178,6 +202,8 @@ class EngineMetrics:
         "steps_total": "engine steps run",
         "prompt_tokens_total": "prompt tokens prefilled",
         "generated_tokens_total": "tokens generated",
+        "cancelled_requests_total": "requests that ended cancelled, waiting or running (client gone or a stop "
+                                    "request)",
     }
 
     def __init__(self, model_name: str):
@@ -214,28 +240,55 @@ class TritonPythonModel:
             engine_dir, num_threads=int(_param(config, "cpu_num_threads", "0") or 0),
             max_num_tokens=int(_param(config, "max_num_tokens", "0") or 0),
             prefill_step_ratio=float(_param(config, "cpu_prefill_step_ratio", "1.75") or 1.75))
-        self.metrics = EngineMetrics(args["model_name"])
-        self.channel = TritonChannel()
+        self.model_name = args["model_name"]
+        self.metrics = EngineMetrics(self.model_name)
+        self.channel = self._make_channel()
         self.engine = Engine.from_config(
-            engine_config, cancelled=self.channel.cancelled,
-            on_stats=self.metrics.publish, after_step=self.channel.flush)
+            engine_config, cancelled=self.channel.cancelled, on_stats=self.metrics.publish,
+            after_step=self._after_step, on_failure=self._engine_failed)
         pb_utils.Logger.log_info(self.engine.describe())
         self.engine.start()
+
+    def _make_channel(self) -> TritonChannel:
+        """The engine's way to Triton (a subclass may hold responses back: tests/integration/engine_knobs.py)."""
+        return TritonChannel()
+
+    def _after_step(self) -> None:
+        """Runs on the engine thread after every step: deliver the step's responses before the next one."""
+        self.channel.flush()
+
+    def _engine_failed(self, reason: str) -> None:
+        """The engine thread died (its open requests already got their errors): take the model out of
+        service. From a thread of its own, so that the unload (which runs finalize()) never waits on the
+        engine thread that calls this."""
+        pb_utils.Logger.log_error(f"{self.model_name}: the CPU engine failed ({reason}); unloading the model so "
+                                  f"that Triton reports it not ready")
+        threading.Thread(target=self._unload_self, name="cpu-engine-unload", daemon=True).start()
+
+    def _unload_self(self) -> None:
+        try:
+            pb_utils.unload_model(self.model_name)  # the ensemble goes not-ready with it by itself
+        except Exception as exc:  # Triton not in explicit model-control mode: readiness cannot change
+            pb_utils.Logger.log_error(
+                f"{self.model_name}: could not unload the failed model ({exc}); Triton keeps reporting it "
+                f"ready (start tritonserver with --model-control-mode=explicit --load-model=* for readiness "
+                f"to follow engine failures), and every request is refused at once until it is reloaded")
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
                 self._enqueue(request, sender)
-            except (RequestError, ValueError) as exc:
+            except (RequestError, ValueError) as exc:  # includes EngineFailedError: a dead engine refuses
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
         return None
 
     def _enqueue(self, request, sender) -> None:
         request_id = request.request_id() or new_request_id()
         if _scalar(request, "stop", False):
-            # TensorRT-LLM semantics: stop=true cancels the request that has the same request id.
-            self.engine.cancel(request_id)
+            # TensorRT-LLM semantics: stop=true cancels the requests that have the same request id; they
+            # end with an error response ("cancelled by a stop request"), this one with an empty final one.
+            self.engine.cancel_by_id(request_id)
             sender.send(flags=FINAL)
             return
         input_ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
