@@ -179,6 +179,11 @@ class TritonServer:
             "--disable-auto-complete-config",
             f"--backend-config=python,shm-region-prefix-name=prefix{self.grpc_port}_",
             "--exit-on-error=true",
+            # Explicit model control, every model loaded at start: the same models as the default mode, but a
+            # model can be unloaded at run time, which is how the CPU engine takes itself out of readiness
+            # when its engine thread dies (model_repository/tensorrt_llm/1/model.py).
+            "--model-control-mode=explicit",
+            "--load-model=*",
             "--log-verbose=0",
             *self.extra_args,
         ]
