@@ -9,6 +9,9 @@ gets a real status (JSON error); after that, a failure ends the stream with an e
 
 from __future__ import annotations
 
+import logging
+from typing import Awaitable, TypeVar
+
 import anyio
 from anyio import CancelScope
 from starlette.responses import Response
@@ -19,9 +22,23 @@ from frontend.renderers import Renderer
 from frontend.serving import Generation, TextDelta
 from frontend.sse import DONE, sse_json
 
+log = logging.getLogger("frontend")
+T = TypeVar("T")
+
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but the access log and metrics show it
+
+
+async def _internal_errors_as_500(awaitable: Awaitable[T]) -> T:
+    """A bug of ours still ends the response properly (a 500, or an error event and [DONE]), logged."""
+    try:
+        return await awaitable
+    except OpenAIError:
+        raise
+    except Exception as exc:
+        log.exception("generation failed")
+        raise OpenAIError(500, f"internal error: {type(exc).__name__}", "server_error") from exc
 
 
 class GenerationResponse(Response):
@@ -70,7 +87,7 @@ class GenerationResponse(Response):
 
     async def _body(self, send: Send) -> None:
         try:
-            results = await self.generation.collect()
+            results = await _internal_errors_as_500(self.generation.collect())
         except OpenAIError as exc:
             await self._send_json(send, exc.status, exc.json_bytes(), exc.headers)
             return
@@ -94,7 +111,7 @@ class GenerationResponse(Response):
                 await write(self.renderer.stream_delta(index, delta))
 
         try:
-            await self.generation.run(on_delta)
+            await _internal_errors_as_500(self.generation.run(on_delta))
             if self.include_usage:
                 await write([self.renderer.stream_usage(self.generation.usage)])
         except OpenAIError as exc:

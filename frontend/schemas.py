@@ -16,6 +16,9 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
 from frontend.errors import invalid_request
 
 
+INT32_MAX = 2**31 - 1
+
+
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -64,8 +67,8 @@ class SamplingFields(RequestModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # Common extensions (vLLM, TGI)
-    top_k: int = Field(0, ge=0)
-    min_tokens: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=INT32_MAX)  # the engine's tensors are int32
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
 

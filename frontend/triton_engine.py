@@ -29,6 +29,12 @@ def _is_unavailable(exc: BaseException) -> bool:
     return "UNAVAILABLE" in text or "DEADLINE_EXCEEDED" in text or "failed to connect" in text.lower()
 
 
+def _model_gone(error: InferenceServerException) -> bool:
+    """Triton's answer for a model that is not (or no longer) loaded, e.g. after a failed engine unloaded
+    itself: the service is unavailable, not broken."""
+    return "unknown model" in (error.message() or "").lower()
+
+
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput(name, list(value.shape), datatype)
     tensor.set_data_from_numpy(value)
@@ -163,6 +169,8 @@ class TritonEngine:
         try:
             async for result, error in call:
                 if error is not None:
+                    if _model_gone(error):
+                        raise service_unavailable(f"the engine model {self.engine_model!r} is not loaded")
                     raise engine_error(f"the engine failed the request: {error.message()}")
                 ids = result.as_numpy("output_ids")
                 if ids is None or ids.size == 0:

@@ -321,3 +321,22 @@ def test_chat_renderer_streams_role_first_then_content_then_finish() -> None:
     chunks = [json.loads(f.decode()[6:]) for f in frames]
     assert [c["choices"][0]["delta"] for c in chunks] == [{"role": "assistant", "content": ""}, {"content": "hi"}, {}]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and len({c["id"] for c in chunks}) == 1
+
+
+async def test_a_bug_in_the_generation_path_is_a_500_or_an_error_event_never_a_broken_response() -> None:
+    async def buggy(request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        yield TokenChunk(TOKENIZER.encode("a"))
+        raise RuntimeError("a bug")
+
+    async def buggy_at_once(request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        raise RuntimeError("a bug")
+        yield  # pragma: no cover
+
+    client = Client()
+    await completion_response(FakeEngine(buggy_at_once), [job()], False)({}, client.receive, client.send)
+    assert client.status == 500 and json.loads(client.body)["error"]["message"] == "internal error: RuntimeError"
+    client = Client()
+    await completion_response(FakeEngine(buggy), [job()], True)({}, client.receive, client.send)
+    events = client.events()
+    assert client.status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "server_error"
