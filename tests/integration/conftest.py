@@ -1,23 +1,45 @@
 """The real stack for integration tests: the tiny demo engine, `tritonserver`, and the frontend.
 
-Built once per test session on free loopback ports; every test talks to real processes.
+Built once per test session on free loopback ports; every test talks to real processes. Next to the real
+`tensorrt_llm` model, the session's Triton serves test copies of it whose speed and faults the tests
+control (tests/integration/engine_knobs.py), so that no test depends on how fast this machine is.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import openai
 import pytest
 
 from benchmarks.servers import stop_process, wait_http_ok
 from launcher.ports import find_free_port
 from launcher.tritonserver import TritonServer
+from tests.integration.engine_knobs import add_knob_model
+from tests.integration.scripted_model import ScriptedModel, add_scripted_model
+
+
+# Test copies of the engine model (same weights), each with what a test needs (engine_knobs.py); a step
+# delay makes a stream last at least (tokens x delay) on any machine:
+SLOW_MODEL = "tensorrt_llm_slow"  # >= 50 ms a step: 450 tokens take >= 22 s
+HELD_MODEL = "tensorrt_llm_held"  # no response leaves until 60 s after the request (or its end)
+FAULTY_MODEL = "tensorrt_llm_faulty"  # a request with seed FAIL_SEED fails after its first token
+CRASH_MODEL = "tensorrt_llm_crash"  # a request with seed CRASH_SEED kills the engine thread
+FAIL_SEED, CRASH_SEED = 1001, 666
+KNOB_MODELS: dict[str, dict[str, float]] = {
+    SLOW_MODEL: {"test_step_delay_s": 0.05},
+    HELD_MODEL: {"test_hold_first_response_s": 60, "test_step_delay_s": 0.05},
+    FAULTY_MODEL: {"test_fail_seed": FAIL_SEED, "test_step_delay_s": 0.02},
+    CRASH_MODEL: {"test_crash_seed": CRASH_SEED, "test_step_delay_s": 0.01},
+}
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,6 +53,15 @@ class Stack:
     model: str
     checkpoint_dir: Path
     context_length: int
+    triton_http_url: str
+    scripted: ScriptedModel  # the engine model whose greedy output the tests script (scripted_model.py)
+
+    def engine_metric(self, name: str, model: str = "tensorrt_llm") -> float:
+        """A CPU engine metric of one engine model, from Triton's metrics port (`cpu_engine_<name>`)."""
+        text = httpx.get(self.triton_metrics_url, timeout=10).text
+        match = re.search(rf'^cpu_engine_{name}{{[^}}]*model="{model}"[^}}]*}} ([0-9.e+-]+)$', text, re.M)
+        assert match, f"cpu_engine_{name} of {model} not exported"
+        return float(match.group(1))
 
 
 def start_frontend(triton_grpc_url: str, port: int, log_file: Path, **env: str) -> subprocess.Popen:
@@ -52,8 +83,13 @@ def built_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def stack(built_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("logs")
+    repository = tmp_path_factory.mktemp("stack") / "model_repository"
+    shutil.copytree(built_engine / "model_repository", repository)
+    for name, knobs in KNOB_MODELS.items():
+        add_knob_model(repository, name, **knobs)
+    scripted = add_scripted_model(repository, repository.parent / "scripted")
     http, grpc, metrics, frontend_port = (find_free_port() for _ in range(4))
-    triton = TritonServer(built_engine / "model_repository", http_port=http, grpc_port=grpc,
+    triton = TritonServer(repository, http_port=http, grpc_port=grpc,
                           metrics_port=metrics, log_file=logs / "tritonserver.log", work_dir=built_engine)
     triton.start()
     frontend = None
@@ -65,7 +101,7 @@ def stack(built_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         wait_http_ok(f"{root}/health/ready", 120, frontend)
         checkpoint = built_engine / "checkpoints" / "demo-tiny"
         yield Stack(f"{root}/v1", root, grpc_url, f"http://127.0.0.1:{metrics}/metrics", "demo-tiny",
-                    checkpoint, 512)
+                    checkpoint, 512, f"http://127.0.0.1:{http}", scripted)
     finally:
         if frontend is not None:
             stop_process(frontend)

@@ -22,7 +22,7 @@ import pytest
 
 from launcher import __main__ as launcher
 from launcher.ports import find_free_port
-from tests.integration.conftest import Stack, start_frontend, stop_process, wait_http_ok
+from tests.integration.conftest import SLOW_MODEL, Stack, start_frontend, stop_process, wait_http_ok
 
 pytestmark = pytest.mark.integration
 
@@ -249,10 +249,7 @@ def test_request_timeout_header_cancels_the_triton_request(stack: Stack, secured
                  400, None)
     # the engine let go of both requests: no slot stays busy
     deadline = time.monotonic() + 10
-    while True:
-        active = re.search(r"^cpu_engine_active_slots\{[^}]*\} (\S+)", httpx.get(stack.triton_metrics_url).text, re.M)
-        if active is None or float(active.group(1)) == 0:
-            break
+    while stack.engine_metric("active_slots") != 0:
         assert time.monotonic() < deadline, "the engine still runs the timed-out requests"
         time.sleep(0.2)
 
@@ -324,31 +321,21 @@ def test_https_and_the_launcher_probe_use_tls(stack: Stack, tmp_path: Path, cert
 
 # ----- graceful shutdown ----------------------------------------------------------------------------------
 async def test_sigterm_drains_then_cancels_streams_with_an_error_event(stack: Stack, tmp_path: Path) -> None:
-    frontend = launch(stack, tmp_path / "frontend.log", SHUTDOWN_GRACE_S="3")
+    # The slow test engine takes >= 50 ms a step: 450 tokens cannot finish within the 3 s grace on any machine.
+    frontend = launch(stack, tmp_path / "frontend.log", SHUTDOWN_GRACE_S="3", ENGINE_MODEL=SLOW_MODEL)
     url = f"{frontend.root}/v1/completions"
     short = {"model": stack.model, "prompt": "short", "max_tokens": 8, "ignore_eos": True, "stream": True}
     long = {**short, "prompt": "long", "max_tokens": 450}
 
-    async def read(client: httpx.AsyncClient, body: dict, started: asyncio.Event) -> tuple[list[str], float]:
-        payloads = []
-        async with client.stream("POST", url, json=body) as response:
-            assert response.status_code == 200
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    payloads.append(line[6:])
-                    started.set()
-        return payloads, time.monotonic()
-
     try:
         async with httpx.AsyncClient(timeout=60) as client:
-            events = [asyncio.Event() for _ in range(3)]
-            long_streams = [asyncio.create_task(read(client, long, e)) for e in events[:2]]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events[:2])), 30)
+            events = [asyncio.Event() for _ in range(2)]
+            long_streams = [asyncio.create_task(read_stream(client, url, long, e)) for e in events]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
             frontend.process.send_signal(signal.SIGTERM)
             term = time.monotonic()
-            await asyncio.sleep(0.3)
-            ready = await client.get(f"{frontend.root}/health/ready")
-            assert ready.status_code == 503
+            while (await client.get(f"{frontend.root}/health/ready")).status_code != 503:
+                assert time.monotonic() - term < 2, "still ready after SIGTERM"
             refused = await client.post(url, json={**short, "stream": False})
             assert_error(refused, 503, "service_unavailable")
             results = await asyncio.wait_for(asyncio.gather(*long_streams), 20)
@@ -362,22 +349,33 @@ async def test_sigterm_drains_then_cancels_streams_with_an_error_event(stack: St
 
 
 async def test_sigterm_lets_short_streams_finish(stack: Stack, tmp_path: Path) -> None:
-    frontend = launch(stack, tmp_path / "frontend.log", SHUTDOWN_GRACE_S="20")
+    # 40 tokens on the slow engine: >= 2 s, so the streams are mid-way at SIGTERM, well within the grace.
+    frontend = launch(stack, tmp_path / "frontend.log", SHUTDOWN_GRACE_S="20", ENGINE_MODEL=SLOW_MODEL)
     body = {"model": stack.model, "prompt": "short", "max_tokens": 40, "ignore_eos": True, "stream": True}
     try:
         async with httpx.AsyncClient(timeout=60) as client:
-            async def read() -> str:
-                async with client.stream("POST", f"{frontend.root}/v1/completions", json=body) as response:
-                    return (await response.aread()).decode()
-
-            streams = [asyncio.create_task(read()) for _ in range(3)]
-            await asyncio.sleep(0.5)
+            events = [asyncio.Event() for _ in range(3)]
+            streams = [asyncio.create_task(read_stream(client, f"{frontend.root}/v1/completions", body, e))
+                       for e in events]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)  # each has its first token
             frontend.process.send_signal(signal.SIGTERM)
-            texts = await asyncio.wait_for(asyncio.gather(*streams), 30)
-        for text in texts:
-            payloads = sse_payloads(text)
+            results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+        for payloads, _ in results:
             assert payloads[-1] == "[DONE]" and not any("error" in json.loads(p) for p in payloads[:-1])
             assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "length"
         frontend.process.wait(15)  # exits well before the 20 s grace: nothing left in flight
     finally:
         stop_process(frontend.process)
+
+
+async def read_stream(client: httpx.AsyncClient, url: str, body: dict,
+                      started: asyncio.Event) -> tuple[list[str], float]:
+    """Every data payload of one SSE stream (`started` set at the first), and when the stream ended."""
+    payloads = []
+    async with client.stream("POST", url, json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                payloads.append(line[6:])
+                started.set()
+    return payloads, time.monotonic()
