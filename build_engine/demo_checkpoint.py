@@ -109,7 +109,7 @@ def _is_complete(directory: Path, preset: str) -> bool:
     return stamp == {"preset": preset, "generator_version": GENERATOR_VERSION}
 
 
-def _training_text() -> list[str]:
+def stdlib_training_text(limit_bytes: int = TRAINING_TEXT_BYTES) -> list[str]:
     """Stdlib sources in a fixed order: text that ships with every Python, so no download is needed."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts: list[str] = []
@@ -118,7 +118,7 @@ def _training_text() -> list[str]:
         text = path.read_text(encoding="utf-8", errors="replace")
         texts.append(text)
         total += len(text.encode("utf-8"))
-        if total >= TRAINING_TEXT_BYTES:
+        if total >= limit_bytes:
             break
     return texts
 
@@ -140,7 +140,7 @@ def _train_tokenizer(model_max_length: int):  # -> PreTrainedTokenizerFast (lazy
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(_training_text(), trainer=trainer)
+    backend.train_from_iterator(stdlib_training_text(), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=BOS_TOKEN,

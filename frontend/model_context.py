@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from frontend.engine import EngineMetadata, LLMEngine
 from frontend.errors import service_unavailable

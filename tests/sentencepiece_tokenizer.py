@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import random
-import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from build_engine.demo_checkpoint import stdlib_training_text
 
 if TYPE_CHECKING:  # imported lazily below: transformers is slow to import
     from transformers import PreTrainedTokenizerFast
@@ -52,15 +53,7 @@ LATIN_WORDS = ("café", "naïve", "résumé", "Zürich", "cafe\u0301", "the", "m
 
 def training_text(seed: int = 0) -> list[str]:
     """Stdlib sources (ship with every Python) plus a generated text mixing CJK, emoji and Latin words."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts: list[str] = []
-    total = 0
-    for path in sorted(stdlib.glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        texts.append(text)
-        total += len(text.encode("utf-8"))
-        if total >= STDLIB_TEXT_BYTES:
-            break
+    texts = stdlib_training_text(STDLIB_TEXT_BYTES)
     rng = random.Random(seed)
     vocabulary = CJK_WORDS + EMOJI + LATIN_WORDS
     for _ in range(2000):
