@@ -143,7 +143,10 @@ class TritonEngine:
 
     async def metadata(self) -> EngineMetadata:
         engine = await self._parameters(self.engine_model)
-        tokenizer_dir = (await self._parameters(self.preprocessing_model)).get("tokenizer_dir")
+        try:  # a repository may hold the engine model alone (the frontend is then given TOKENIZER_DIR)
+            tokenizer_dir = (await self._parameters(self.preprocessing_model)).get("tokenizer_dir")
+        except OpenAIError:
+            tokenizer_dir = None
         max_seq_len = engine.get("max_seq_len", "")
         return EngineMetadata(served_model_name=engine.get("served_model_name") or None,
                               tokenizer_dir=Path(tokenizer_dir) if tokenizer_dir else None,

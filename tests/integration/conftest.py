@@ -32,13 +32,11 @@ from tests.integration.scripted_model import ScriptedModel, add_scripted_model
 SLOW_MODEL = "tensorrt_llm_slow"  # >= 50 ms a step: 450 tokens take >= 22 s
 HELD_MODEL = "tensorrt_llm_held"  # no response leaves until 60 s after the request (or its end)
 FAULTY_MODEL = "tensorrt_llm_faulty"  # a request with seed FAIL_SEED fails after its first token
-CRASH_MODEL = "tensorrt_llm_crash"  # a request with seed CRASH_SEED kills the engine thread
-FAIL_SEED, CRASH_SEED = 1001, 666
+FAIL_SEED = 1001
 KNOB_MODELS: dict[str, dict[str, float]] = {
     SLOW_MODEL: {"test_step_delay_s": 0.05},
     HELD_MODEL: {"test_hold_first_response_s": 60, "test_step_delay_s": 0.05},
     FAULTY_MODEL: {"test_fail_seed": FAIL_SEED, "test_step_delay_s": 0.02},
-    CRASH_MODEL: {"test_crash_seed": CRASH_SEED, "test_step_delay_s": 0.01},
 }
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
