@@ -46,6 +46,16 @@ class Settings(BaseSettings):
     rate_limit_tpm: int = Field(0, ge=0, description="tokens (prompt + max_tokens, settled with actual usage) "
                                                      "per minute per API key (0: no limit)")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="largest request body; past it: 413")
+    body_read_timeout_s: float = Field(30.0, gt=0, description="longest time to receive a request body; past "
+                                                               "it: 408 and the connection is closed")
+    max_engine_requests: int = Field(16, ge=1, description="most engine requests one HTTP request may start "
+                                                           "(prompts x n); past it: 400")
+    max_stop_length: int = Field(1000, ge=1, description="longest stop string, in characters; past it: 400")
+    tokenizer_threads: int = Field(4, ge=1, description="threads that tokenize and render chat templates, "
+                                                        "off the event loop")
+    limit_concurrency: int = Field(1024, ge=1, description="most open connections and tasks (uvicorn); past "
+                                                           "it: 503")
+    timeout_keep_alive_s: float = Field(5.0, gt=0, description="how long an idle keep-alive connection stays open")
     max_prompt_tokens: int = Field(0, ge=0, description="longest prompt in tokens (0: the context length); "
                                                         "past it: 400")
     # Deadlines and shutdown
