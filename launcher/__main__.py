@@ -2,8 +2,12 @@
 
 Starts tritonserver, waits until the engine model is ready, starts the frontend, waits until it answers,
 prints where to send requests, and then supervises both: Ctrl+C / SIGTERM stops the frontend first (so no
-request is accepted that Triton can no longer serve; it drains for SHUTDOWN_GRACE_S) and then Triton; if
-either dies, the other is stopped too and the exit code is 1. Nothing is left running on any path out
+request is accepted that Triton can no longer serve; it drains for SHUTDOWN_GRACE_S) and then Triton. If
+either dies once it has served, it alone is restarted with back-off while the other keeps running
+(launcher/supervise.py): the frontend answers 503 while Triton is down and reconnects by itself. Past
+MAX_RESTARTS_PER_MINUTE restarts of one process within a minute the launcher gives up, stops the other,
+and exits 1 with the reason (and Triton's log tail). The first start is not retried: a stack that never
+came up has a cause to fix, not a crash to ride out. Nothing is left running on any path out
 (try/finally). SIGHUP is forwarded to the frontend, which reloads API_KEYS_FILE. With SSL_CERTFILE and
 SSL_KEYFILE the frontend serves HTTPS, and the readiness probes here use https (no certificate check:
 they only ever connect to this machine).
@@ -27,10 +31,13 @@ from types import FrameType
 
 from launcher.engine_check import check_model_repository
 from launcher.ports import PortInUseError, check_ports_free
+from launcher.supervise import RestartBudgetExceeded, Supervisor
 from launcher.tritonserver import TritonNotFoundError, TritonServer, TritonStartError, terminate_group
 
 FRONTEND_READY_TIMEOUT_S = 120.0
 FRONTEND_STOP_GRACE_S = 10.0  # after the frontend's own drain (SHUTDOWN_GRACE_S)
+LEFTOVER_STOP_GRACE_S = 5.0  # what a crashed process left behind gets this long to go before SIGKILL
+DEFAULT_MAX_RESTARTS_PER_MINUTE = 5
 POLL_S = 0.5
 
 _frontend_pid: int | None = None  # where SIGHUP goes
@@ -63,6 +70,7 @@ class Config:
     ssl_certfile: str = ""
     ssl_keyfile: str = ""
     shutdown_grace_s: float = 30.0
+    max_restarts_per_minute: int = DEFAULT_MAX_RESTARTS_PER_MINUTE
 
     @property
     def triton_log(self) -> Path:
@@ -113,7 +121,16 @@ def load_config(args: argparse.Namespace) -> Config:
         ssl_certfile=os.environ.get("SSL_CERTFILE", ""),
         ssl_keyfile=os.environ.get("SSL_KEYFILE", ""),
         shutdown_grace_s=_env_float("SHUTDOWN_GRACE_S", 30.0),
+        max_restarts_per_minute=_max_restarts_per_minute(),
     )
+
+
+def _max_restarts_per_minute() -> int:
+    """MAX_RESTARTS_PER_MINUTE, per supervised process; 0 turns restarts off (any death ends the launcher)."""
+    value = _env_int("MAX_RESTARTS_PER_MINUTE", DEFAULT_MAX_RESTARTS_PER_MINUTE)
+    if value < 0:
+        raise LaunchError(f"MAX_RESTARTS_PER_MINUTE={value} must be 0 (no restarts) or more")
+    return value
 
 
 # ----- preflight ----------------------------------------------------------------------------------------
@@ -219,6 +236,102 @@ def served_model_id(cfg: Config) -> str:
 
 
 # ----- supervision --------------------------------------------------------------------------------------
+class TritonProcess:
+    """tritonserver as a supervised child: a fresh TritonServer per start, on the same ports and log path.
+
+    The log of the run before a restart moves to `tritonserver.log.1`, so the current log (and the tail the
+    launcher prints when it gives up) is always the latest run's, and the crashed run's is still there.
+    """
+
+    name = "tritonserver"
+
+    def __init__(self, cfg: Config) -> None:
+        self._cfg = cfg
+        self.ready_timeout_s = cfg.triton_ready_timeout_s
+        self.server = self._new_server()
+        self._starts = 0
+
+    def _new_server(self) -> TritonServer:
+        cfg = self._cfg
+        return TritonServer(cfg.model_repository, cfg.http_port, cfg.grpc_port, cfg.metrics_port,
+                            log_file=cfg.triton_log, work_dir=cfg.work_dir, model_name=cfg.engine_model)
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.pid
+
+    def poll(self) -> int | None:
+        return self.server.poll()
+
+    def start(self) -> None:
+        if self._starts:
+            self.server.stop()  # no-op when the supervisor already did; never two servers on one port
+            rotate_log(self._cfg.triton_log)
+            self.server = self._new_server()
+        self._starts += 1
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def ready(self) -> bool:
+        return self.server.is_ready()
+
+    def failure_detail(self) -> str:
+        return self.server.log_tail()
+
+
+class FrontendProcess:
+    """`python -m frontend` as a supervised child; keeps the SIGHUP target pointing at the live one."""
+
+    name = "frontend"
+    ready_timeout_s = FRONTEND_READY_TIMEOUT_S
+
+    def __init__(self, cfg: Config) -> None:
+        self._cfg = cfg
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stopped = True
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def start(self) -> None:
+        global _frontend_pid
+        self.stop()
+        self.proc = start_frontend(self._cfg)
+        self._stopped = False
+        _frontend_pid = self.proc.pid
+
+    def stop(self, grace_s: float = LEFTOVER_STOP_GRACE_S) -> None:
+        """Stop the group once (a second killpg could hit a recycled pid); grace_s covers the drain."""
+        global _frontend_pid
+        if self.proc is None or self._stopped:
+            return
+        self._stopped = True
+        _frontend_pid = None
+        terminate_group(self.proc, grace_s)
+
+    def ready(self) -> bool:
+        # Live, not ready: the frontend's readiness includes Triton's, which is not this process's to fix.
+        answer = _http_get(f"{self._cfg.frontend_base}/health/live")
+        return answer is not None and answer[0] == 200
+
+    def failure_detail(self) -> str:
+        return "(the frontend's output is above)"
+
+
+def rotate_log(path: Path) -> None:
+    """Keep one previous log next to the new one (`<name>.1`), so a restart does not erase why it happened."""
+    try:
+        os.replace(path, path.with_name(path.name + ".1"))
+    except FileNotFoundError:
+        pass
+
+
 def _check_alive(frontend: subprocess.Popen[bytes] | None, triton: TritonServer) -> None:
     code = triton.poll()
     if code is not None:
@@ -257,33 +370,34 @@ def _forward_hup(_signum: int, _frame: FrameType | None) -> None:
 
 
 def serve(cfg: Config) -> int:
-    global _frontend_pid
     preflight(cfg)
-    triton = TritonServer(cfg.model_repository, cfg.http_port, cfg.grpc_port, cfg.metrics_port,
-                          log_file=cfg.triton_log, work_dir=cfg.work_dir, model_name=cfg.engine_model)
-    frontend: subprocess.Popen[bytes] | None = None
+    triton = TritonProcess(cfg)
+    frontend = FrontendProcess(cfg)
     try:
-        print(f"Starting tritonserver (log: {cfg.triton_log}) ...", flush=True)
         triton.start()
-        took = triton.wait_ready(cfg.triton_ready_timeout_s)
+        print(f"Starting tritonserver (pid {triton.pid}, log: {cfg.triton_log}) ...", flush=True)
+        took = triton.server.wait_ready(cfg.triton_ready_timeout_s)
         print(f"Triton ready in {took:.1f} s; starting the frontend ...", flush=True)
-        frontend = start_frontend(cfg)
-        _frontend_pid = frontend.pid
-        wait_frontend_ready(cfg, frontend, triton)
+        frontend.start()
+        assert frontend.proc is not None
+        wait_frontend_ready(cfg, frontend.proc, triton.server)
         print(banner(cfg, served_model_id(cfg)), flush=True)
+        supervisor = Supervisor([triton, frontend], cfg.max_restarts_per_minute)
         while True:
-            _check_alive(frontend, triton)
+            supervisor.step()
             time.sleep(POLL_S)
     except _Shutdown:
         print("Shutting down ...", flush=True)
         return 0
+    except RestartBudgetExceeded as exc:
+        # Said before the cleanup below, which may take the frontend's drain period.
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         # No second signal may interrupt the cleanup; it is bounded by the grace periods anyway.
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
-        if frontend is not None:
-            _frontend_pid = None
-            terminate_group(frontend, cfg.shutdown_grace_s + FRONTEND_STOP_GRACE_S)
+        frontend.stop(cfg.shutdown_grace_s + FRONTEND_STOP_GRACE_S)
         triton.stop()
 
 

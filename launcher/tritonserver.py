@@ -23,6 +23,7 @@ from pathlib import Path
 from types import TracebackType
 
 NGC_BACKEND_DIR = Path("/opt/tritonserver/backends")
+SHM_DIR = Path("/dev/shm")
 LOG_TAIL_LINES = 40
 
 
@@ -164,6 +165,11 @@ class TritonServer:
     def log_file(self) -> Path:
         return self._log_file
 
+    @property
+    def shm_prefix(self) -> str:
+        """Names of this server's Python-backend shared-memory regions start with it (per gRPC port)."""
+        return f"prefix{self.grpc_port}_"
+
     def command(self) -> list[str]:
         """The argv; loopback only, and a per-server shm prefix so two servers on one host don't collide."""
         return [
@@ -177,7 +183,7 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             f"--backend-directory={self.install.backend_dir}",
             "--disable-auto-complete-config",
-            f"--backend-config=python,shm-region-prefix-name=prefix{self.grpc_port}_",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             "--exit-on-error=true",
             # Explicit model control, every model loaded at start: the same models as the default mode, but a
             # model can be unloaded at run time, which is how the CPU engine takes itself out of readiness
@@ -216,18 +222,23 @@ class TritonServer:
             raise RuntimeError("TritonServer not started")
         started = time.monotonic()
         deadline = started + timeout_s
-        urls = [self._url("/v2/health/ready"), self._url(f"/v2/models/{self.model_name}/ready")]
         while True:
             code = self._proc.poll()
             if code is not None:
                 raise TritonStartError(f"tritonserver exited with code {code} before it was ready\n{self.log_tail()}")
-            if all(_http_ok(url) for url in urls):
+            if self.is_ready():
                 return time.monotonic() - started
             if time.monotonic() >= deadline:
                 raise TritonStartError(
                     f"tritonserver (model {self.model_name!r}) not ready after {timeout_s:.0f} s\n{self.log_tail()}"
                 )
             time.sleep(0.25)
+
+    def is_ready(self) -> bool:
+        """One non-blocking look: the server and ``model_name`` both ready (the supervisor polls this after a
+        restart instead of blocking in wait_ready, so it keeps watching the frontend meanwhile)."""
+        urls = [self._url("/v2/health/ready"), self._url(f"/v2/models/{self.model_name}/ready")]
+        return all(_http_ok(url) for url in urls)
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """Error lines of the whole log, then its last lines, framed, for error messages.
@@ -255,6 +266,11 @@ class TritonServer:
         # Mark first: signalling a group id again later could hit a recycled pid.
         self._stopped = True
         terminate_group(self._proc, grace_s)
+        if self._proc.returncode != 0:
+            # Killed or crashed: Triton did not unlink its stubs' regions (1 MiB+ each in /dev/shm, which is
+            # 64 MiB in a default container), and a supervised restart would leak them again on every crash.
+            # The group is gone and the gRPC port (hence the prefix) is still ours: nothing else uses them.
+            remove_shm_regions(self.shm_prefix)
 
     def _url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.http_port}{path}"
@@ -287,6 +303,23 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def remove_shm_regions(prefix: str, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink the shared-memory regions whose names start with ``prefix``; returns the names removed."""
+    removed = []
+    try:
+        entries = list(shm_dir.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.name.startswith(prefix):
+            try:
+                entry.unlink()
+            except OSError:  # gone meanwhile, or not ours to remove
+                continue
+            removed.append(entry.name)
+    return removed
 
 
 # ----- process-group helpers (shared with __main__ for the frontend) ------------------------------------

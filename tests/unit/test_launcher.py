@@ -1,4 +1,5 @@
-"""launcher: port checks, locating tritonserver, and one real tritonserver on a trivial Python model.
+"""launcher: port checks, locating tritonserver, one real tritonserver on a trivial Python model, and the
+supervision logic (restart budget, back-off, which process died) on scripted processes and a fake clock.
 
 The real-server tests use the nvidia-pytriton wheel's tritonserver (CPU only); they take a few seconds.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import textwrap
 import urllib.request
@@ -14,8 +16,11 @@ from pathlib import Path
 
 import pytest
 
+import launcher.__main__ as launcher_main
 from launcher.ports import PortInUseError, check_ports_free, find_free_port
-from launcher.tritonserver import TritonServer, TritonStartError, find_tritonserver, group_alive
+from launcher.supervise import RestartBudget, RestartBudgetExceeded, Supervisor, describe_exit
+from launcher.tritonserver import (TritonServer, TritonStartError, find_tritonserver, group_alive,
+                                  remove_shm_regions)
 
 IDENTITY_CONFIG = """\
 name: "identity"
@@ -148,3 +153,263 @@ def test_wait_ready_reports_broken_config_with_log(work_dir: Path, tmp_path: Pat
     message = str(info.value)
     assert "exited with code" in message
     assert str(server.log_file) in message and "TYPE_NOT_A_TYPE" in message
+
+
+# ----- supervision: restart budget, back-off, which process died ---------------------------------------
+class FakeClock:
+    """Time that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeChild:
+    """A supervised process whose deaths and readiness the test scripts."""
+
+    def __init__(self, name: str, ready_timeout_s: float = 100.0) -> None:
+        self.name = name
+        self.ready_timeout_s = ready_timeout_s
+        self.exit_code: int | None = None
+        self.is_ready = True
+        self.starts = 0
+        self.stops = 0
+        self._pid = 100
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    def poll(self) -> int | None:
+        return self.exit_code
+
+    def start(self) -> None:
+        self.starts += 1
+        self._pid += 1
+        self.exit_code = None
+
+    def stop(self) -> None:
+        self.stops += 1
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def failure_detail(self) -> str:
+        return f"--- last lines of {self.name}'s log ---"
+
+
+def _supervisor(max_per_minute: int, *children: FakeChild) -> tuple[Supervisor, FakeClock, list[str]]:
+    clock, lines = FakeClock(), []
+    return Supervisor(list(children), max_per_minute, clock=clock, log=lines.append), clock, lines
+
+
+def _restart(supervisor: Supervisor, clock: FakeClock, child: FakeChild, code: int = -9) -> float:
+    """Kill `child`, let the supervisor notice, wait out its back-off; returns the back-off it chose."""
+    child.exit_code = code
+    supervisor.step()
+    assert supervisor.phase(child.name) == "waiting"
+    waited = 0.0
+    while supervisor.phase(child.name) == "waiting":
+        clock.advance(0.25)
+        waited += 0.25
+        supervisor.step()
+    return waited
+
+
+def test_budget_allows_n_restarts_in_a_sliding_minute() -> None:
+    clock = FakeClock()
+    budget = RestartBudget(3, clock=clock)
+    assert [budget.take() is not None for _ in range(3)] == [True, True, True]
+    assert budget.take() is None and budget.recent() == 3  # a refused restart spends nothing
+    clock.advance(59.9)
+    assert budget.take() is None
+    clock.advance(0.2)  # the first three are now more than a minute old
+    assert budget.recent() == 0 and budget.take() is not None
+
+
+def test_budget_window_slides_rather_than_resetting_each_minute() -> None:
+    clock = FakeClock()
+    budget = RestartBudget(2, clock=clock)
+    budget.take()
+    clock.advance(40)
+    budget.take()
+    clock.advance(30)  # 70 s after the first, 30 s after the second: one slot free, not two
+    assert budget.recent() == 1
+    assert budget.take() is not None and budget.take() is None
+
+
+def test_backoff_doubles_per_recent_restart_capped_and_resets_after_a_quiet_minute() -> None:
+    clock = FakeClock()
+    budget = RestartBudget(10, clock=clock, backoff_base_s=1.0, backoff_max_s=10.0)
+    assert [budget.take() for _ in range(6)] == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    clock.advance(61)
+    assert budget.take() == 1.0
+
+
+def test_zero_budget_never_restarts_and_negative_is_refused() -> None:
+    assert RestartBudget(0, clock=FakeClock()).take() is None
+    with pytest.raises(ValueError):
+        RestartBudget(-1)
+
+
+def test_describe_exit_names_the_signal() -> None:
+    assert describe_exit(-9) == "was killed by SIGKILL (code -9)"
+    assert describe_exit(1) == "exited with code 1"
+    assert describe_exit(0) == "exited with code 0"
+
+
+def test_only_the_dead_process_is_restarted_after_its_backoff() -> None:
+    triton, frontend = FakeChild("tritonserver"), FakeChild("frontend")
+    supervisor, clock, lines = _supervisor(5, triton, frontend)
+    supervisor.step()
+    assert (triton.starts, frontend.starts) == (0, 0) and lines == []
+    triton.exit_code = -9
+    triton.is_ready = False
+    supervisor.step()
+    assert lines == ["launcher: tritonserver (pid 100) was killed by SIGKILL (code -9); restart 1 in 1.0 s "
+                     "(1 of at most 5 in the last minute)"]
+    assert triton.stops == 1 and triton.starts == 0  # leftovers stopped at once, the restart waits
+    clock.advance(0.9)
+    supervisor.step()
+    assert triton.starts == 0 and supervisor.phase("tritonserver") == "waiting"
+    clock.advance(0.1)
+    supervisor.step()
+    assert triton.starts == 1 and supervisor.phase("tritonserver") == "starting"
+    assert lines[-1] == "launcher: tritonserver restarted (pid 101, restart 1); waiting until it is ready"
+    clock.advance(3)
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "starting"  # loading its model
+    triton.is_ready = True
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "running"
+    assert lines[-1] == "launcher: tritonserver ready again, 3.0 s after restart 1"
+    assert (frontend.starts, frontend.stops) == (0, 0) and supervisor.phase("frontend") == "running"
+
+
+def test_frontend_crash_is_restarted_with_its_own_budget() -> None:
+    triton, frontend = FakeChild("tritonserver"), FakeChild("frontend")
+    supervisor, clock, lines = _supervisor(1, triton, frontend)
+    _restart(supervisor, clock, frontend, code=1)
+    assert "launcher: frontend (pid 100) exited with code 1; restart 1 in 1.0 s" in lines[0]
+    assert frontend.starts == 1 and triton.starts == 0
+    _restart(supervisor, clock, triton)  # Triton's budget is untouched by the frontend's restart
+    assert triton.starts == 1
+    frontend.exit_code = 1
+    with pytest.raises(RestartBudgetExceeded, match=r"^frontend \(pid 101\) exited with code 1; "):
+        supervisor.step()
+
+
+def test_giving_up_past_the_budget_says_why_and_shows_the_log() -> None:
+    triton = FakeChild("tritonserver")
+    supervisor, clock, lines = _supervisor(2, triton)
+    backoffs = [_restart(supervisor, clock, triton), _restart(supervisor, clock, triton)]
+    assert backoffs == [1.0, 2.0]
+    assert [line.split(";")[1] for line in lines if "killed" in line] == [" restart 1 in 1.0 s (1 of at most 2 in the last minute)",
+                                                                         " restart 2 in 2.0 s (2 of at most 2 in the last minute)"]
+    triton.exit_code = -9
+    stops = triton.stops
+    with pytest.raises(RestartBudgetExceeded) as info:
+        supervisor.step()
+    message = str(info.value)
+    assert message.startswith("tritonserver (pid 102) was killed by SIGKILL (code -9); it was already restarted "
+                              "2 times in the last minute (MAX_RESTARTS_PER_MINUTE=2); giving up\n")
+    assert message.endswith("--- last lines of tritonserver's log ---")
+    assert triton.stops == stops + 1 and triton.starts == 2
+
+
+def test_the_budget_recovers_after_a_minute_up() -> None:
+    triton = FakeChild("tritonserver")
+    supervisor, clock, _ = _supervisor(2, triton)
+    _restart(supervisor, clock, triton)
+    _restart(supervisor, clock, triton)
+    clock.advance(61)
+    supervisor.step()
+    assert _restart(supervisor, clock, triton) == 1.0  # budget and back-off both fresh
+    assert supervisor.restarts("tritonserver") == 3
+
+
+def test_a_restart_that_dies_while_loading_counts_against_the_budget() -> None:
+    triton = FakeChild("tritonserver")
+    supervisor, clock, lines = _supervisor(2, triton)
+    triton.is_ready = False
+    _restart(supervisor, clock, triton)
+    assert supervisor.phase("tritonserver") == "starting"
+    triton.exit_code = 1  # the model failed to load
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "waiting" and "restart 2 in 2.0 s" in lines[-1]
+
+
+def test_a_restart_that_never_gets_ready_is_treated_as_dead() -> None:
+    triton = FakeChild("tritonserver", ready_timeout_s=30)
+    supervisor, clock, lines = _supervisor(5, triton)
+    triton.is_ready = False
+    _restart(supervisor, clock, triton)
+    clock.advance(30)
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "starting"
+    clock.advance(0.5)
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "waiting"
+    assert "tritonserver (pid 101) was not ready 30 s after restart 1; restart 2 in 2.0 s" in lines[-1]
+    assert triton.stops == 2
+
+
+def test_zero_restarts_means_the_first_death_ends_supervision() -> None:
+    frontend = FakeChild("frontend")
+    supervisor, _, _ = _supervisor(0, frontend)
+    frontend.exit_code = -11
+    with pytest.raises(RestartBudgetExceeded, match=r"SIGSEGV.*restarts are off \(MAX_RESTARTS_PER_MINUTE=0\)"):
+        supervisor.step()
+
+
+# ----- supervision settings and the Triton log across restarts ------------------------------------------
+def test_max_restarts_per_minute_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = launcher_main.build_parser().parse_args(["serve"])
+    monkeypatch.delenv("MAX_RESTARTS_PER_MINUTE", raising=False)
+    assert launcher_main.load_config(args).max_restarts_per_minute == 5
+    monkeypatch.setenv("MAX_RESTARTS_PER_MINUTE", "2")
+    assert launcher_main.load_config(args).max_restarts_per_minute == 2
+    monkeypatch.setenv("MAX_RESTARTS_PER_MINUTE", "0")
+    assert launcher_main.load_config(args).max_restarts_per_minute == 0
+    for bad in ("-1", "many"):
+        monkeypatch.setenv("MAX_RESTARTS_PER_MINUTE", bad)
+        with pytest.raises(launcher_main.LaunchError, match="MAX_RESTARTS_PER_MINUTE"):
+            launcher_main.load_config(args)
+
+
+def test_rotate_log_keeps_the_previous_run(tmp_path: Path) -> None:
+    log = tmp_path / "tritonserver.log"
+    launcher_main.rotate_log(log)  # nothing yet: nothing to do
+    log.write_text("first run\n")
+    launcher_main.rotate_log(log)
+    assert not log.exists() and (tmp_path / "tritonserver.log.1").read_text() == "first run\n"
+    log.write_text("second run\n")
+    launcher_main.rotate_log(log)
+    assert (tmp_path / "tritonserver.log.1").read_text() == "second run\n"
+
+
+def test_remove_shm_regions_takes_only_the_servers_own_prefix(tmp_path: Path) -> None:
+    for name in ("prefix4502_a", "prefix4502_b", "prefix45021_c", "other"):
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(remove_shm_regions("prefix4502_", tmp_path)) == ["prefix4502_a", "prefix4502_b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "prefix45021_c"]
+    assert remove_shm_regions("prefix1_", tmp_path / "missing") == []
+
+
+def test_a_killed_server_leaves_no_shared_memory_after_stop(work_dir: Path, tmp_path: Path) -> None:
+    server = _server(_identity_repo(tmp_path / "repo"), work_dir, tmp_path)
+    shm = Path("/dev/shm")
+    try:
+        server.start()
+        server.wait_ready(120)
+        assert any(p.name.startswith(server.shm_prefix) for p in shm.iterdir())  # the stub's regions
+        os.killpg(server.pid, signal.SIGKILL)  # as a crash: Triton gets no chance to clean up
+        server._proc.wait(30)  # type: ignore[union-attr]
+    finally:
+        server.stop()
+    assert not [p.name for p in shm.iterdir() if p.name.startswith(server.shm_prefix)]
