@@ -1,5 +1,9 @@
 """`python -m frontend [--flags]`: run the OpenAI frontend with uvicorn (HTTPS with --ssl-certfile/keyfile).
 
+HTTPS is TLS 1.2 or 1.3 only (never lower, whatever OpenSSL's configuration allows), with `ssl_ciphers` for
+TLS 1.2. API keys come from API_KEYS or API_KEYS_FILE only: `--api-keys` is refused, since a command line
+is readable by every local user (`ps`, /proc/<pid>/cmdline) and lands in shell history.
+
 SIGTERM (or a first Ctrl+C) drains: new requests get 503 and /health/ready turns 503 while the listener
 stays open, requests in flight get `shutdown_grace_s` to finish, the rest are cancelled (streams end with
 an error event and [DONE]), then uvicorn stops. A second signal stops at once. SIGHUP reloads API_KEYS_FILE.
@@ -9,7 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+import sys
+from collections.abc import Callable, Sequence
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -19,6 +27,50 @@ from frontend.middleware import Edge
 from frontend.settings import Settings
 
 log = logging.getLogger("frontend")
+
+MINIMUM_TLS = ssl.TLSVersion.TLSv1_2
+SECRET_FLAGS = ("--api-keys", "--api_keys")  # settings that must never be given on a command line
+
+
+def refuse_secret_flags(argv: Sequence[str]) -> None:
+    """Exit (status 2, as argparse does) if a secret is passed as a flag; the message never echoes it."""
+    for arg in argv:  # anywhere, even after `--`: the key would be in `ps` all the same
+        if arg.partition("=")[0] in SECRET_FLAGS:
+            print(f"error: {arg.partition('=')[0]} is refused: a key on a command line is readable by every "
+                  "local user (ps, /proc/<pid>/cmdline) and stays in shell history. Set API_KEYS=<key>[,<key>...] "
+                  "in the environment, or API_KEYS_FILE=<file> (one key per line, reloaded on SIGHUP).",
+                  file=sys.stderr)
+            sys.exit(2)
+
+
+def tls_context(config: uvicorn.Config, default_factory: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+    """uvicorn's own context (certificate, key, `ssl_ciphers`, ALPN) with TLS 1.2 as the floor.
+
+    uvicorn has no minimum-version setting. PROTOCOL_TLS_SERVER already starts at TLS 1.2 on Python 3.10+,
+    but only by default: OpenSSL's system configuration (MinProtocol) or another Python build can lower it,
+    so the floor is set here explicitly, and only ever raised.
+    """
+    context = default_factory()
+    if context.minimum_version < MINIMUM_TLS:  # also TLSVersion.MINIMUM_SUPPORTED (-2)
+        context.minimum_version = MINIMUM_TLS
+    return context
+
+
+def build_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Config:
+    """The uvicorn configuration from the settings (separate from main() so that tests can serve with it)."""
+    tls = settings.ssl_certfile is not None
+    return uvicorn.Config(
+        app, host=settings.frontend_host, port=settings.frontend_port,
+        log_level=settings.log_level, timeout_graceful_shutdown=10,
+        access_log=not settings.access_log,  # ours is one JSON line per request
+        limit_concurrency=settings.limit_concurrency,  # past it uvicorn answers 503 before the app sees it
+        # uvicorn's annotation says int, but the value only goes to loop.call_later: fractions work.
+        timeout_keep_alive=settings.timeout_keep_alive_s,  # type: ignore[arg-type]
+        ssl_certfile=str(settings.ssl_certfile) if tls else None,
+        ssl_keyfile=str(settings.ssl_keyfile) if settings.ssl_keyfile else None,
+        ssl_version=ssl.PROTOCOL_TLS_SERVER,  # negotiates the highest version both sides have
+        ssl_ciphers=settings.ssl_ciphers,
+        ssl_context_factory=tls_context if tls else None)
 
 
 class DrainingServer(uvicorn.Server):
@@ -48,16 +100,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def main() -> None:
+    refuse_secret_flags(sys.argv[1:])  # before parsing, so that the refusal is clear and nothing is echoed
     settings = Settings(_cli_parse_args=True)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     access_log.configure(settings.access_log)
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.frontend_host, port=settings.frontend_port,
-                            log_level=settings.log_level, timeout_graceful_shutdown=10,
-                            access_log=not settings.access_log,  # ours is one JSON line per request
-                            ssl_certfile=str(settings.ssl_certfile) if settings.ssl_certfile else None,
-                            ssl_keyfile=str(settings.ssl_keyfile) if settings.ssl_keyfile else None)
-    DrainingServer(config, app.state.edge, settings.shutdown_grace_s).run()
+    DrainingServer(build_config(app, settings), app.state.edge, settings.shutdown_grace_s).run()
 
 
 if __name__ == "__main__":

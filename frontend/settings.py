@@ -1,21 +1,38 @@
 """Every setting of the frontend, in one typed object.
 
 Each field maps to an environment variable of the same name in upper case (FRONTEND_PORT) and to a CLI
-flag in kebab case (--frontend-port); CLI flags win. Settings left unset that Triton can tell us
+flag in kebab case (--frontend-port); CLI flags win. The one exception is `api_keys`: a secret, taken
+from the environment only (command lines show in `ps`). Settings left unset that Triton can tell us
 (tokenizer directory, context length, served model name) are read from the model repository's configs
 at start, so a plain `python -m frontend` next to a running Triton needs no flags.
 """
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
+
+from frontend.auth import HashedKeys
+
+# Mozilla's "intermediate" TLS 1.2 suites (ssl-config.mozilla.org): forward secrecy and AEAD ciphers
+# only. Its DHE suites are left out: this server loads no DH parameters, so they could never be chosen.
+# TLS 1.3's suites are not set by this string (Python cannot configure them); OpenSSL's defaults stay on.
+MOZILLA_INTERMEDIATE_CIPHERS = ":".join((
+    "ECDHE-ECDSA-AES128-GCM-SHA256", "ECDHE-RSA-AES128-GCM-SHA256",
+    "ECDHE-ECDSA-AES256-GCM-SHA384", "ECDHE-RSA-AES256-GCM-SHA384",
+    "ECDHE-ECDSA-CHACHA20-POLY1305", "ECDHE-RSA-CHACHA20-POLY1305",
+))
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(extra="ignore", cli_kebab_case=True, cli_implicit_flags=True)
+    # hide_input_in_errors: a validation error would otherwise print every raw input, API_KEYS included.
+    # arbitrary_types_allowed: api_keys holds a HashedKeys (see its validator).
+    model_config = SettingsConfigDict(extra="ignore", cli_kebab_case=True, cli_implicit_flags=True,
+                                      hide_input_in_errors=True, arbitrary_types_allowed=True)
 
     frontend_host: str = Field("127.0.0.1", description="address to bind")
     frontend_port: int = Field(9000, description="port to bind")
@@ -33,8 +50,10 @@ class Settings(BaseSettings):
     access_log: bool = Field(True, description="one JSON line per request on stderr (no prompt text unless "
                                                "log_prompts)")
     # Authentication
-    api_keys: str | None = Field(None, description="comma-separated API keys accepted as `Authorization: "
-                                                   "Bearer`; none and no file: the server is open")
+    # Env only: `python -m frontend` refuses --api-keys (frontend.__main__), so the flag is hidden from --help.
+    api_keys: CliSuppress[HashedKeys | None] = Field(
+        None, description="API_KEYS: comma-separated API keys accepted as `Authorization: Bearer`, hashed at "
+                          "load (never kept in plaintext); none and no file: the server is open")
     api_keys_file: Path | None = Field(None, description="file of API keys, one per line (# comments); "
                                                          "re-read on SIGHUP")
     metrics_require_key: bool = Field(False, description="GET /metrics needs an API key too (when keys are set)")
@@ -66,6 +85,29 @@ class Settings(BaseSettings):
     # TLS
     ssl_certfile: Path | None = Field(None, description="PEM certificate: serve HTTPS (with ssl_keyfile)")
     ssl_keyfile: Path | None = Field(None, description="PEM private key of ssl_certfile")
+    ssl_ciphers: str = Field(MOZILLA_INTERMEDIATE_CIPHERS, description="OpenSSL cipher string for TLS 1.2 "
+                             "(TLS 1.3 suites are OpenSSL's defaults); TLS 1.0 and 1.1 are never served")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _hash_api_keys(cls, value: Any) -> HashedKeys | None:
+        """Hash the keys as they are parsed, so that the plaintext is never stored on the settings object."""
+        if value is None or isinstance(value, HashedKeys):
+            return value
+        if not isinstance(value, str):
+            raise ValueError("API_KEYS must be a comma-separated string")  # the value itself is never echoed
+        return HashedKeys.parse(value)
+
+    @field_validator("ssl_ciphers")
+    @classmethod
+    def _ciphers_usable(cls, value: str) -> str:
+        """Refuse a cipher string OpenSSL rejects, or one leaving no TLS 1.2 suite, at start, not at the
+        first handshake."""
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).set_ciphers(value)
+        except ssl.SSLError:
+            raise ValueError("ssl_ciphers: OpenSSL selects no TLS 1.2 cipher from this string") from None
+        return value
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "Settings":
