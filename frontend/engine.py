@@ -65,7 +65,8 @@ class LLMEngine(Protocol):
     def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
         """Stream the request's new tokens until it ends (end-of-sequence or max_tokens). Closing the
         iterator early, or cancelling the task that iterates it, cancels the request in the engine.
-        Raises OpenAIError (503 when the engine is unreachable, 500 when it failed the request)."""
+        Raises OpenAIError (503 when the engine is unreachable, 400 when it refused the request for
+        something the client sent, 500 when it failed the request)."""
         ...
 
     async def is_ready(self) -> bool: ...

@@ -6,32 +6,139 @@ fields set to values we cannot honour, naming the field, instead of silently dro
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator,
-                      model_serializer, model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler,
+                      field_validator, model_serializer, model_validator)
 
 from frontend.errors import invalid_request
 
 
+# Bounds of the engine's tensor types (the TensorRT-LLM tensor interface): a value past them would make
+# numpy raise OverflowError (or wrap around) while the request is built, a 500 instead of a 400.
 INT32_MAX = 2**31 - 1
+SEED_LIMIT = 2**63  # the seed tensor is UINT64, but the CPU engine hands it to torch (int64)
+# Within FP32's normal range (about 1.2e-38 to 3.4e38): a larger double becomes inf in an FP32 tensor, a
+# smaller positive one may become 0 (a division by zero in the engine). Round numbers, for the messages.
+FP32_LARGE = 1e30
+FP32_SMALL = 1e-30
+MAX_N = 128  # far above any server's max_n setting: only keeps absurd numbers out of arithmetic
+MAX_JSON_DEPTH = 64  # the deepest nesting of arrays and objects a request body may have
+
+
+def client_error_path(path: tuple[str | int, ...]) -> str:
+    """A location in the body for an error's message and `param`: dotted, and short (keys come from the
+    client and may be long)."""
+    text = ".".join(str(part) for part in path)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _encodable(text: str) -> bool:
+    """Whether the string is valid Unicode: JSON may escape lone surrogates ("\\ud800"), which neither a
+    tokenizer nor a UTF-8 response can carry."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lone_surrogate(path: tuple[str | int, ...], in_key: bool = False) -> Exception:
+    where = client_error_path(path)
+    if in_key:
+        what = f"a key of {where}" if where else "a key of the request body"
+    else:
+        what = where or "the request body"
+    return invalid_request(f"{what}: invalid Unicode, a lone surrogate (\\ud800-\\udfff) that is not part of "
+                           "a pair", where or None)
+
+
+_SCALAR_TYPES = frozenset({int, float, bool, type(None)})
+
+
+def check_client_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse (400, naming the field) a parsed request body nested deeper than `max_depth` arrays and
+    objects, or holding a string (value or key, known field or ignored extra) with a lone surrogate.
+
+    Iterative, never recursive, so that no body can raise RecursionError (a 500): this replaces the edge
+    middleware's re-parse of the body. Keys are checked before any path through them is named, so an
+    error's `param` never carries a lone surrogate into the (UTF-8) response. A list of numbers (a
+    token-id prompt of a million ids) is passed over at C speed."""
+    if isinstance(value, str):
+        if not _encodable(value):
+            raise _lone_surrogate(())
+        return
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            for key in item:
+                if isinstance(key, str) and not _encodable(key):
+                    raise _lone_surrogate(path, in_key=True)
+            children: Any = item.items()
+            types = set(map(type, item.values()))
+        elif isinstance(item, list):
+            children = enumerate(item)
+            types = set(map(type, item))
+        else:  # a Python value (a model) given directly: validated by its own type
+            continue
+        if len(path) >= max_depth:
+            field = client_error_path(path[:1]) or None  # the field, not a path of `max_depth` parts
+            raise invalid_request(f"the request body is nested deeper than {max_depth} levels of arrays and "
+                                  f"objects{f' (in {field})' if field else ''}", field)
+        if _SCALAR_TYPES.issuperset(types):  # numbers only (a token-id prompt): nothing to look into
+            continue
+        for key, child in children:
+            if isinstance(child, str):
+                if not _encodable(child):
+                    raise _lone_surrogate((*path, key))
+            elif type(child) not in _SCALAR_TYPES:
+                stack.append((child, (*path, key)))
+
+
+def _utf8(value: str) -> str:
+    if not _encodable(value):
+        raise ValueError("invalid Unicode, a lone surrogate (\\ud800-\\udfff) that is not part of a pair")
+    return value
+
+
+# Every string a client sends is checked twice over: by `check_client_json` on the whole body (which names
+# the field), and by this type where models are built directly in Python.
+ClientStr = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# FP32 tensors: finite (JSON as Python parses it allows NaN and Infinity) and, where not bounded tighter,
+# within FP32's range.
+Fp32 = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class ClientRequest(RequestModel):
+    """A whole request body: checked for depth and invalid Unicode before any field is validated."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json_text(cls, data: Any) -> Any:
+        check_client_json(data)
+        return data
+
+
 class TextPart(RequestModel):
     type: Literal["text"]
-    text: str
+    text: ClientStr
 
 
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: ClientStr | list[TextPart] | None = None
+    name: ClientStr | None = None
 
     def as_template_input(self) -> dict[str, str]:
         """The message as chat templates expect it: content flattened to one string."""
@@ -51,25 +158,26 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingFields(RequestModel):
-    """Fields chat and completions share."""
+class SamplingFields(ClientRequest):
+    """Fields chat and completions share. Every number is bounded by the engine tensor it becomes
+    (INT32, UINT64, FP32), so that no value a client sends can overflow while the request is built."""
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
+    model: ClientStr
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: Fp32 = Field(1.0, ge=0.0, le=2.0)
+    top_p: Fp32 = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: str | None = None
+    stop: ClientStr | list[ClientStr] | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    presence_penalty: Fp32 = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Fp32 = Field(0.0, ge=-2.0, le=2.0)
+    user: ClientStr | None = None
     # Common extensions (vLLM, TGI)
     top_k: int = Field(0, ge=0, le=INT32_MAX)  # the engine's tensors are int32
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: Fp32 = Field(1.0, ge=FP32_SMALL, le=FP32_LARGE)
     ignore_eos: bool = False
 
     @field_validator("stop")
@@ -98,13 +206,13 @@ class SamplingFields(RequestModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: ClientStr | dict | None = None
     response_format: dict | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[ClientStr, float] | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self) -> "ChatCompletionRequest":
@@ -134,13 +242,37 @@ class ChatCompletionRequest(SamplingFields):
 Prompt = str | list[int]
 
 
+def _out_of_int32(token: Any) -> bool:
+    """A number that would be a token id (an integer, or a float with an integral value, as lax
+    validation converts it) outside [0, INT32_MAX]."""
+    if isinstance(token, bool) or not isinstance(token, (int, float)):
+        return False
+    if isinstance(token, float) and not (math.isfinite(token) and token.is_integer()):
+        return False  # not a token id at all: pydantic's error for the field
+    return not 0 <= token <= INT32_MAX
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: ClientStr | list[TokenId] | list[ClientStr] | list[list[TokenId]]
     echo: bool = False
-    suffix: str | None = None
+    suffix: ClientStr | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
-    best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    logit_bias: dict[ClientStr, float] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_fit(cls, value: Any) -> Any:
+        """Token ids outside INT32 (or negative) named plainly, instead of pydantic's error for each of the
+        four shapes of the union; whether an id is in the vocabulary is the route's check."""
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                for j, token in enumerate(item if isinstance(item, list) else [item]):
+                    if _out_of_int32(token):
+                        where = f"prompt.{i}.{j}" if isinstance(item, list) else f"prompt.{i}"
+                        raise invalid_request(f"{where}: token ids must be integers in [0, {INT32_MAX}]",
+                                              "prompt")
+        return value
 
     @model_validator(mode="after")
     def _completion_supported(self) -> "CompletionRequest":
@@ -256,11 +388,11 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class TokenizeRequest(RequestModel):
+class TokenizeRequest(ClientRequest):
     """vLLM-style helper: either a prompt or chat messages (rendered with the chat template)."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: ClientStr | None = None
+    prompt: ClientStr | None = None
     messages: list[ChatMessage] | None = None
 
     @model_validator(mode="after")
@@ -270,9 +402,9 @@ class TokenizeRequest(RequestModel):
         return self
 
 
-class DetokenizeRequest(RequestModel):
-    model: str | None = None
-    tokens: list[int]
+class DetokenizeRequest(ClientRequest):
+    model: ClientStr | None = None
+    tokens: list[TokenId]
 
 
 class ModelList(BaseModel):

@@ -18,7 +18,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from frontend.engine import EngineMetadata, EngineRequest, SamplingOptions, TokenChunk
-from frontend.errors import OpenAIError, engine_error, service_unavailable
+from frontend.errors import OpenAIError, engine_error, invalid_request, service_unavailable
 
 
 def _is_unavailable(exc: BaseException) -> bool:
@@ -33,6 +33,45 @@ def _model_gone(error: InferenceServerException) -> bool:
     """Triton's answer for a model that is not (or no longer) loaded, e.g. after a failed engine unloaded
     itself: the service is unavailable, not broken."""
     return "unknown model" in (error.message() or "").lower()
+
+
+# The CPU engine's refusals of a request that can never run (cpu_engine/scheduler.py `validate`, the
+# glue's `RequestError`s in model_repository/tensorrt_llm/1/model.py): the client's mistake, a 400. Triton
+# hands a decoupled model's error response back on the stream as text only, without a status code, so
+# these are told apart by their words; anything else the engine answers with stays a 500.
+ENGINE_CLIENT_ERRORS = (
+    "input_ids is empty",
+    "request_output_len must be at least 1",
+    "exceeds the engine's max_seq_len",
+    "outside the vocabulary",
+)
+# gRPC / Triton statuses that say the request itself was wrong (Triton: TRITONSERVER_ERROR_INVALID_ARG).
+CLIENT_ERROR_STATUSES = ("INVALID_ARGUMENT", "INVALID_ARG")
+# A dead engine refuses every request with a message that may quote anything (its exception): never a 400.
+ENGINE_FAILURES = ("the engine failed", "the engine has failed")
+MAX_ENGINE_MESSAGE = 500  # characters of an engine message passed on to clients
+
+
+def is_client_error(error: InferenceServerException) -> bool:
+    """Whether the engine refused the request for something the client sent (400), not failed (500)."""
+    status = str(error.status() or "")
+    if any(code in status for code in CLIENT_ERROR_STATUSES):
+        return True
+    message = error.message() or ""
+    if any(words in message for words in ENGINE_FAILURES):
+        return False
+    return any(words in message for words in ENGINE_CLIENT_ERRORS)
+
+
+def client_message(message: str | None) -> str:
+    """An engine's message as clients may see it: one line, bounded, with no gRPC debug details (which
+    name peers, addresses and source files)."""
+    text = " ".join((message or "").split())
+    for marker in (" debug_error_string", " {created_time", " {grpc_"):
+        text = text.split(marker, 1)[0]
+    if len(text) > MAX_ENGINE_MESSAGE:
+        text = text[: MAX_ENGINE_MESSAGE - 3] + "..."
+    return text or "no details"
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -174,7 +213,10 @@ class TritonEngine:
                 if error is not None:
                     if _model_gone(error):
                         raise service_unavailable(f"the engine model {self.engine_model!r} is not loaded")
-                    raise engine_error(f"the engine failed the request: {error.message()}")
+                    if is_client_error(error):
+                        raise invalid_request(f"the engine refused the request: {client_message(error.message())}",
+                                              code="invalid_engine_request")
+                    raise engine_error(f"the engine failed the request: {client_message(error.message())}")
                 ids = result.as_numpy("output_ids")
                 if ids is None or ids.size == 0:
                     continue
@@ -188,6 +230,9 @@ class TritonEngine:
         except (grpc.RpcError, InferenceServerException) as exc:
             if _is_unavailable(exc):
                 raise service_unavailable("lost the connection to the inference server") from exc
+            if isinstance(exc, InferenceServerException) and is_client_error(exc):
+                raise invalid_request(f"the engine refused the request: {client_message(exc.message())}",
+                                      code="invalid_engine_request") from exc
             raise engine_error("the inference server's stream failed") from exc
         finally:
             if not finished:

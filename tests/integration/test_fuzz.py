@@ -1,5 +1,7 @@
 """Hostile input: property-based fuzzing (hypothesis) of chat and completions with random JSON for the known
-fields, random extra fields, wrong types, huge and negative numbers, NaN, unicode and lone surrogates.
+fields, random extra fields, wrong types, numbers at the edges of every engine tensor type on every numeric
+field, NaN, token-id prompts in and out of the vocabulary and INT32, unicode and lone surrogates, bodies
+nested past the depth limit.
 Over 1,000 requests in all: never a 5xx, always an OpenAI-shaped error or a valid answer, and the server
 is healthy afterwards. Derandomized (same cases every run), no per-example deadline; a small context and
 max_n keep the generations short."""
@@ -32,11 +34,22 @@ unicode_text = st.one_of(
     st.sampled_from(["", " ", "\x00", "\u200b", "日本語のテキスト", "🙂👍🏽", "e\u0301", "\ufeff", "<|im_end|>",
                      "</s>", "{{ raise_exception('x') }}", "\r\n\r\n", "data: [DONE]\n\n"]),
 )
+# The edges of every engine tensor type (INT32, UINT64, FP32) and of what JSON can spell, on either side.
+INT_EXTREMES = [0, -1, 2**31 - 1, 2**31, 2**32, 2**40, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**70, -(2**31),
+                -(2**31) - 1, -(2**63), -(2**63) - 1, 10**30, 10**400]
+FLOAT_EXTREMES = [3.4028234663852886e38, 3.5e38, 1.7976931348623157e308, 1.1754943508222875e-38, 1e-45,
+                  5e-324, -0.0, 1e-30, 1e30, 2.0000001, -2.0000001]
 numbers = st.one_of(
     st.integers(min_value=-3, max_value=12),
-    st.sampled_from([0, -1, 2**31, 2**63, 2**64, -(2**63), 10**30, 10**400]),
+    st.sampled_from(INT_EXTREMES),
+    st.sampled_from(FLOAT_EXTREMES),
     st.floats(allow_nan=True, allow_infinity=True),
 )
+# Token-id prompts: ids in and out of the demo vocabulary (4096), at INT32's edge and past it.
+token_ids = st.one_of(st.integers(min_value=0, max_value=5000),
+                      st.sampled_from([4095, 4096, 2**31 - 1, 2**31, 2**63, 2**64, 2**70, -1, -(2**31) - 1]))
+token_prompts = st.one_of(st.lists(token_ids, min_size=1, max_size=8),
+                          st.lists(st.lists(token_ids, min_size=1, max_size=4), min_size=1, max_size=3))
 scalars = st.one_of(st.none(), st.booleans(), numbers, unicode_text)
 json_values = st.recursive(scalars, lambda children: st.one_of(
     st.lists(children, max_size=4), st.dictionaries(unicode_text, children, max_size=4)), max_leaves=12)
@@ -53,8 +66,8 @@ small_ints = st.integers(min_value=-2, max_value=6)
 common_fields = {
     "max_tokens": st.one_of(small_ints, numbers, json_values),
     "temperature": st.one_of(st.floats(min_value=-1, max_value=3), numbers, json_values),
-    "top_p": st.one_of(st.floats(min_value=-0.5, max_value=1.5), json_values),
-    "n": st.one_of(small_ints, json_values),
+    "top_p": st.one_of(st.floats(min_value=-0.5, max_value=1.5), numbers, json_values),
+    "n": st.one_of(small_ints, numbers, json_values),
     "stream": st.one_of(st.booleans(), json_values),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), json_values),
     "stop": st.one_of(unicode_text, st.lists(unicode_text, max_size=6), json_values),
@@ -74,7 +87,7 @@ chat_fields = {
     "messages": st.one_of(st.lists(message, min_size=0, max_size=3), json_values),
     "max_completion_tokens": st.one_of(small_ints, numbers),
     "logprobs": st.one_of(st.booleans(), json_values),
-    "top_logprobs": st.one_of(st.integers(min_value=-1, max_value=25), json_values),
+    "top_logprobs": st.one_of(st.integers(min_value=-1, max_value=25), numbers, json_values),
     "tools": json_values, "tool_choice": json_values, "response_format": json_values,
 }
 completion_fields = {
@@ -82,9 +95,10 @@ completion_fields = {
     "prompt": st.one_of(unicode_text, st.lists(unicode_text, max_size=3),
                         st.lists(st.integers(min_value=-5, max_value=5000), max_size=8),
                         st.lists(st.lists(st.integers(min_value=-1, max_value=300), max_size=4), max_size=3),
-                        json_values),
-    "logprobs": st.one_of(st.integers(min_value=-1, max_value=7), json_values),
-    "echo": st.one_of(st.booleans(), json_values), "suffix": json_values, "best_of": st.one_of(small_ints, json_values),
+                        token_prompts, token_prompts, json_values),
+    "logprobs": st.one_of(st.integers(min_value=-1, max_value=7), numbers, json_values),
+    "echo": st.one_of(st.booleans(), json_values), "suffix": json_values,
+    "best_of": st.one_of(small_ints, numbers, json_values),
 }
 extra_fields = st.dictionaries(st.text(min_size=1, max_size=12).filter(lambda k: k not in chat_fields
                                                                        and k not in completion_fields),
@@ -98,8 +112,15 @@ def request_bodies(base: dict, fields: dict) -> st.SearchStrategy[bytes | dict]:
 
     @st.composite
     def build(draw) -> bytes | dict:
-        if draw(st.integers(0, 19)) == 0:
+        kind = draw(st.integers(0, 39))
+        if kind < 2:
             return json.dumps(draw(json_values), allow_nan=True).encode()
+        if kind == 2:  # deep nesting (around the limit of 64, and past what Python's parser can recurse into)
+            depth = draw(st.sampled_from([62, 63, 64, 65, 1000, 3000]))
+            inner = draw(st.sampled_from(["", "1", '"\\ud800"', '"x"']))
+            field = json.dumps(draw(st.sampled_from(names + ["extra"])))
+            body = json.dumps(base)[:-1] + f', {field}: ' + "[" * depth + inner + "]" * depth + "}"
+            return body.encode()
         body = dict(base)
         for name in draw(st.lists(st.sampled_from(names), max_size=5, unique=True)):
             body[name] = draw(fields[name])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import time
 
 import pytest
 
@@ -78,6 +80,100 @@ def test_earliest_of_several_stop_strings_wins() -> None:
 def test_no_stop_strings_passes_text_through() -> None:
     matcher = StopStringMatcher([])
     assert matcher.feed("anything") == ("anything", False)
+
+
+class ReferenceStopMatcher:
+    """The obvious (quadratic) matcher: find over held + text, longest partial suffix by trying every prefix
+    of every stop. StopStringMatcher must give exactly its answers."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        buffer = self.held + text
+        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buffer[: min(hits)], True
+        keep = max((size for stop in self.stops for size in range(1, len(stop))
+                    if buffer.endswith(stop[:size])), default=0)
+        self.held = buffer[len(buffer) - keep:] if keep else ""
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+def test_stop_matching_gives_the_same_answers_as_the_obvious_matcher() -> None:
+    """Random stops and texts over a two-letter alphabet (many overlaps and partial matches), cut into
+    random pieces: every piece's safe text, the stop flag and the flush agree."""
+    rng = random.Random(1234)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(0, 6))) for _ in range(rng.randint(1, 4))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        assert stream_through(StopStringMatcher(stops), pieces) == \
+            stream_through(ReferenceStopMatcher(stops), pieces), (stops, pieces)  # type: ignore[arg-type]
+
+
+class CountingList(list):
+    """A failure function that counts its lookups: the matcher's work beyond one step per character."""
+
+    lookups = 0
+
+    def __getitem__(self, index):  # type: ignore[override]
+        CountingList.lookups += 1
+        return super().__getitem__(index)
+
+
+def adversarial_text(stop_length: int, size: int) -> str:
+    """Long runs of 'a' against the stop 'a'*999 + 'b': every character extends or breaks a partial match
+    of up to 999 characters, which the obvious matcher rescans on every delta."""
+    unit = "a" * (stop_length - 2) + "xa"
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def feed_in_pieces(matcher: StopStringMatcher, text: str, piece: int) -> str:
+    out = [matcher.feed(text[i:i + piece])[0] for i in range(0, len(text), piece)]
+    return "".join(out) + matcher.flush()
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1000])
+def test_stop_matching_work_is_linear_in_the_text(monkeypatch, piece: int) -> None:
+    """Counted, not timed: the failure links followed never exceed the characters fed, however long the
+    stop string and however the text is cut."""
+    stop = "a" * 999 + "b"
+    for size in (20_000, 80_000):
+        matcher = StopStringMatcher([stop])
+        for automaton in matcher._automata:
+            automaton.failure = CountingList(automaton.failure)
+        CountingList.lookups = 0
+        text = adversarial_text(1000, size)
+        assert feed_in_pieces(matcher, text, piece) == text
+        assert CountingList.lookups <= 2 * size, (size, CountingList.lookups)  # quadratic: ~500 x size
+
+
+def test_stop_matching_time_grows_linearly_with_the_text() -> None:
+    """n and 4n characters of adversarial text against a 1,000-character stop: linear is 4 times the
+    time, quadratic 16; the bound is generous, and each size keeps its best of several runs."""
+    stop = "a" * 999 + "b"
+
+    def best_time(size: int) -> float:
+        text = adversarial_text(1000, size)
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            feed_in_pieces(StopStringMatcher([stop]), text, 3)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    small, large = best_time(10_000), best_time(40_000)
+    assert large / small < 9, (small, large)
 
 
 def test_sse_frames_are_data_lines_separated_by_a_blank_line() -> None:
