@@ -128,7 +128,9 @@ class RateLimiter:
 
 # ----- concurrency ------------------------------------------------------------------------------------
 class AdmissionGate:
-    """`max_in_flight` slots and a FIFO queue of at most `max_queued` waiters."""
+    """`max_in_flight` slots, one per engine request (a request with n choices over k prompts takes n x k),
+    and a FIFO queue of at most `max_queued` waiting requests. First come, first served: a large request at
+    the head of the queue is not overtaken by smaller ones behind it, so it cannot starve."""
 
     def __init__(self, max_in_flight: int, max_queued: int, clock: Clock = time.monotonic):
         if max_in_flight < 1 or max_queued < 0:
@@ -137,57 +139,73 @@ class AdmissionGate:
         self.max_queued = max_queued
         self._clock = clock
         self.in_flight = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[tuple[asyncio.Future[None], int]] = deque()
         self._service_s = 1.0  # moving average of how long a slot is held, for Retry-After
 
     @property
     def queued(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
+        return sum(1 for waiter, _ in self._waiters if not waiter.done())
 
     def retry_after_s(self) -> float:
         """A guess at when a slot frees up: the queue ahead drained at the average service time."""
         return min(60.0, max(1.0, self._service_s * (self.queued + 1) / self.max_in_flight))
 
-    async def acquire(self, timeout_s: float | None) -> float:
-        """Take a slot, waiting in the queue at most `timeout_s`; returns the seconds waited.
-        Raises `Rejected` if the queue is full or the wait timed out."""
-        if self.in_flight < self.max_in_flight and not self._waiters:
-            self.in_flight += 1
+    def slots_for(self, engine_requests: int) -> int:
+        """The slots a request takes: one per engine request, and never more than the gate has (a request
+        larger than the whole gate runs alone rather than never)."""
+        return max(1, min(engine_requests, self.max_in_flight))
+
+    async def acquire(self, timeout_s: float | None, slots: int = 1) -> float:
+        """Take `slots` slots (see slots_for), waiting in the queue at most `timeout_s`; returns the seconds
+        waited. Raises `Rejected` if the queue is full or the wait timed out."""
+        if not self._waiters and self.in_flight + slots <= self.max_in_flight:
+            self.in_flight += slots
             return 0.0
         if self.queued >= self.max_queued:
-            raise Rejected("queue_full", f"The server is at capacity ({self.max_in_flight} requests running, "
-                                         f"{self.max_queued} waiting). Please retry later.", self.retry_after_s())
+            raise Rejected("queue_full", f"The server is at capacity ({self.in_flight} of {self.max_in_flight} "
+                                         f"engine requests running, {self.queued} requests waiting). Please "
+                                         "retry later.", self.retry_after_s())
         start = self._clock()
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        entry = (waiter, slots)
+        self._waiters.append(entry)
         try:
             await asyncio.wait({waiter}, timeout=timeout_s)
-        except BaseException:  # cancelled (client gone, deadline): hand on a slot we were just given
+        except BaseException:  # cancelled (client gone, deadline): give back slots we were just given
             if waiter.done() and not waiter.cancelled():
-                self.release()
+                self.release(slots=slots)
             waiter.cancel()
-            self._forget(waiter)
+            self._forget(entry)
             raise
         if not waiter.done():
             waiter.cancel()
-            self._forget(waiter)
+            self._forget(entry)
             raise Rejected("queue_timeout", f"Waited {timeout_s:g} s in the queue without getting a slot. "
                                             "Please retry later.", self.retry_after_s())
         return self._clock() - start
 
-    def _forget(self, waiter: asyncio.Future[None]) -> None:
+    def _forget(self, entry: tuple[asyncio.Future[None], int]) -> None:
         try:
-            self._waiters.remove(waiter)
+            self._waiters.remove(entry)
         except ValueError:
             pass
+        self._grant()  # a large waiter that left may have blocked smaller ones behind it
 
-    def release(self, held_s: float | None = None) -> None:
-        """Free a slot: handed straight to the first waiter if there is one."""
+    def release(self, held_s: float | None = None, slots: int = 1) -> None:
+        """Free `slots` slots, handed on to the waiters at the head of the queue that now fit."""
         if held_s is not None:
             self._service_s = 0.9 * self._service_s + 0.1 * held_s
+        self.in_flight = max(0, self.in_flight - slots)
+        self._grant()
+
+    def _grant(self) -> None:
         while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
+            waiter, slots = self._waiters[0]
+            if waiter.done():
+                self._waiters.popleft()
+                continue
+            if self.in_flight + slots > self.max_in_flight:
                 return
-        self.in_flight = max(0, self.in_flight - 1)
+            self._waiters.popleft()
+            self.in_flight += slots
+            waiter.set_result(None)

@@ -8,6 +8,7 @@ import signal
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
+import anyio
 from fastapi import FastAPI
 
 from frontend.errors import OpenAIError, install_error_handlers
@@ -64,6 +65,9 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="tritonllm OpenAI frontend", lifespan=lifespan)
     app.state.settings = settings
+    # Tokenizing and chat-template rendering run in these threads, so that a few megabyte-long prompts
+    # cannot stall every open stream on the event loop.
+    app.state.tokenizer_threads = anyio.CapacityLimiter(settings.tokenizer_threads)
     app.state.edge = edge
     install_error_handlers(app)
     app.include_router(router)

@@ -1,18 +1,21 @@
-"""The edge of every HTTP request, as one ASGI middleware: request id, shutdown, auth, body size, rate
-limits, admission, deadline, metrics and the access log. Routes stay thin: they read the per-request
-`RequestContext` from `request.state.ctx` (deadline, token reservation) and record usage on it.
+"""The edge of every HTTP request, as one ASGI middleware: request id, shutdown, auth, body size and read
+timeout, deadline, metrics and the access log. Routes stay thin: they read the per-request
+`RequestContext` from `request.state.ctx` and call its policy where it applies to them (requests per
+minute as a route dependency; tokens per minute and admission once the route knows the prompt,
+max_tokens and how many engine requests it starts).
 
 Order for a generation request (POST /v1/chat/completions, /v1/completions):
-  draining? 503 -> API key? 401 -> body over the limit? 413 -> requests/min? 429 -> a slot (queue,
-  bounded)? 429 -> the route (tokens/min reserved there, once prompt and max_tokens are known: 429)
-and the slot is held until the response has been sent in full, a stream until its last byte (or until
-the client went away). Health endpoints are always open; /metrics is open unless `metrics_require_key`.
+  draining? 503 -> API key? 401 -> body over the limit? 413, not arrived in time? 408 -> requests/min? 429
+  -> the route: tokens/min reserved (429), then one admission slot per engine request (bounded queue,
+  bounded wait: 429)
+and the slots are held until the response has been sent in full, a stream until its last byte (or until
+the client went away). The deadline counts from arrival. Health endpoints are always open; /metrics is
+open unless `metrics_require_key`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
@@ -80,7 +83,35 @@ class RequestContext:
     reservation: TokenReservation | None = None
     prompt_text: list[str] | None = None  # only with log_prompts
     completion_text: list[str] | None = None
+    admitted_slots: int = 0  # admission slots held (one per engine request), released by the middleware
+    admitted_at: float = 0.0
     edge: "Edge | None" = field(default=None, repr=False)
+
+    def check_request_rate(self) -> None:
+        """Requests per minute of this key (429 if over)."""
+        if self.edge is None:
+            return
+        try:
+            self.edge.limiter.check_request(self.key_id)
+        except Rejected as exc:
+            self.edge.metrics.rejected.labels(exc.reason).inc()
+            raise too_many_requests(exc.message, exc.retry_after_s, "requests", "rate_limit_exceeded") from None
+
+    async def admit(self, engine_requests: int) -> None:
+        """Wait for admission: one slot per engine request (bounded queue, bounded wait: 429 past them),
+        under the request's deadline. The middleware releases the slots when the response has been sent."""
+        edge = self.edge
+        if edge is None:
+            return
+        slots = edge.gate.slots_for(engine_requests)
+        acquiring = edge.gate.acquire(edge.settings.max_queue_wait_s, slots)
+        try:
+            self.queue_s = await (self.deadline.run(acquiring) if self.deadline is not None else acquiring)
+        except Rejected as exc:
+            edge.metrics.rejected.labels(exc.reason).inc()
+            raise too_many_requests(exc.message, exc.retry_after_s) from None
+        self.admitted_slots, self.admitted_at = slots, time.monotonic()
+        edge.metrics.queue_time.labels(self.route).observe(self.queue_s)
 
     def reserve_tokens(self, tokens: int) -> None:
         """Tokens per minute: reserve prompt + max_tokens now (429 if over), settled at the end."""
@@ -175,37 +206,6 @@ class _BodyTooLarge(Exception):
     pass
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-def _has_lone_surrogate(value: object) -> bool:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    return False
-
-
-def check_unicode(body: bytes) -> None:
-    """JSON may escape lone surrogates (`"\\ud800"`), which no tokenizer or UTF-8 response can carry:
-    refuse them with a 400 here instead of failing deep inside. Parsed only when such an escape occurs."""
-    if not _SURROGATE_ESCAPE.search(body):
-        return
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return  # the route answers invalid JSON with its own 400
-    if _has_lone_surrogate(parsed):
-        raise invalid_request("the request contains invalid Unicode: a lone surrogate (\\ud800-\\udfff) "
-                              "that is not part of a pair")
-
-
 async def _read_body(receive: Receive, limit: int) -> tuple[bytes, bool]:
     """The whole request body (at most `limit` bytes, else _BodyTooLarge), and whether the client left."""
     parts: list[bytes] = []
@@ -297,44 +297,40 @@ class EdgeMiddleware:
         if is_metrics and scope.get("method") in ("GET", "HEAD"):
             await Response(edge.metrics.render(), media_type=CONTENT_TYPE_LATEST)(scope, receive, send)
             return
-        if scope.get("method") in ("POST", "PUT", "PATCH"):
-            declared = headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > settings.max_body_bytes:
-                raise self._reject(ctx, "body_too_large", payload_too_large(settings.max_body_bytes))
-            try:
-                body, disconnected = await _read_body(receive, settings.max_body_bytes)
-            except _BodyTooLarge:
-                raise self._reject(ctx, "body_too_large", payload_too_large(settings.max_body_bytes)) from None
-            check_unicode(body)
-            receive = _replay(body, disconnected, receive)
-        if not (path in GENERATION_PATHS and scope.get("method") == "POST"):
+        generation = path in GENERATION_PATHS and scope.get("method") == "POST"
+        if generation:  # counted from arrival: reading the body, waiting for a slot and generating all count
+            ctx.deadline = Deadline(edge.timeout_for(headers))
+            edge.deadlines.add(ctx.deadline)
+        try:
+            if scope.get("method") in ("POST", "PUT", "PATCH"):
+                receive = await self._read_body(ctx, headers, receive)
             await self.app(scope, receive, send)
-            return
-        await self._generation(ctx, headers, scope, receive, send)
-
-    async def _generation(self, ctx: RequestContext, headers: dict[str, str], scope: Scope, receive: Receive,
-                          send: Send) -> None:
-        edge, settings = self.edge, self.edge.settings
-        try:
-            edge.limiter.check_request(ctx.key_id)
-        except Rejected as exc:
-            raise self._reject(ctx, exc.reason, too_many_requests(
-                exc.message, exc.retry_after_s, "requests", "rate_limit_exceeded")) from None
-        ctx.deadline = deadline = Deadline(edge.timeout_for(headers))
-        edge.deadlines.add(deadline)
-        try:
-            try:
-                ctx.queue_s = await deadline.run(edge.gate.acquire(settings.max_queue_wait_s))
-            except Rejected as exc:
-                raise self._reject(ctx, exc.reason, too_many_requests(exc.message, exc.retry_after_s)) from None
-            edge.metrics.queue_time.labels(ctx.route).observe(ctx.queue_s)
-            admitted = time.monotonic()
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                edge.gate.release(time.monotonic() - admitted)
         finally:
-            edge.deadlines.discard(deadline)
+            if ctx.deadline is not None:
+                edge.deadlines.discard(ctx.deadline)
+            if ctx.admitted_slots:  # taken by the route once it knew how many engine requests it starts
+                edge.gate.release(time.monotonic() - ctx.admitted_at, ctx.admitted_slots)
+
+    async def _read_body(self, ctx: RequestContext, headers: dict[str, str], receive: Receive) -> Receive:
+        """The whole body, within the size limit and the body-read timeout (a client that sends half a body
+        and then nothing must not hold its connection: 408, and the connection is closed)."""
+        settings = self.edge.settings
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > settings.max_body_bytes:
+            raise self._reject(ctx, "body_too_large", payload_too_large(settings.max_body_bytes))
+        timeout_s = settings.body_read_timeout_s
+        remaining = ctx.deadline.remaining() if ctx.deadline is not None else None
+        if remaining is not None:
+            timeout_s = min(timeout_s, remaining)
+        try:
+            body, disconnected = await asyncio.wait_for(_read_body(receive, settings.max_body_bytes), timeout_s)
+        except _BodyTooLarge:
+            raise self._reject(ctx, "body_too_large", payload_too_large(settings.max_body_bytes)) from None
+        except asyncio.TimeoutError:
+            raise self._reject(ctx, "body_timeout", OpenAIError(
+                408, f"the request body did not arrive within {timeout_s:g} s", "invalid_request_error", None,
+                "body_timeout", {"Connection": "close"})) from None
+        return _replay(body, disconnected, receive)
 
     def _finish(self, ctx: RequestContext) -> None:
         edge = self.edge

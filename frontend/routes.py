@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, TypeVar
 
-from fastapi import APIRouter, Request
+import anyio
+from fastapi import APIRouter, Depends, Request
 
 from frontend.errors import OpenAIError, invalid_request, service_unavailable
 from frontend.middleware import RequestContext
 from frontend.model_context import ModelContext
 from frontend.renderers import ChatRenderer, CompletionRenderer
 from frontend.responses import GenerationResponse
-from frontend.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
-                              SamplingFields, TokenizeRequest, now)
+from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, ModelCard,
+                              ModelList, SamplingFields, TokenizeRequest, now)
 from frontend.serving import Generation, GenerationLimits, choice_jobs
 
 router = APIRouter()
+T = TypeVar("T")
 
 
 def request_context(request: Request) -> RequestContext:
@@ -60,21 +63,47 @@ async def get_model(model_id: str, request: Request) -> ModelCard:
     return model_card(await model_context(request, model_id))
 
 
-@router.post("/tokenize")
+async def off_loop(request: Request, work: Callable[..., T], *args: Any) -> T:
+    """Run tokenizer work (encode, decode, chat templates) in the tokenizer threads: a megabyte-long
+    prompt must not stall every open stream on the event loop."""
+    return await anyio.to_thread.run_sync(functools.partial(work, *args),
+                                          limiter=request.app.state.tokenizer_threads)
+
+
+async def rate_limited(request: Request) -> None:
+    """Requests per minute of the caller's API key (429 past it): on the routes that do work."""
+    request_context(request).check_request_rate()
+
+
+def check_fits_context(text: str, context: ModelContext, param: str) -> None:
+    """Refuse, before tokenizing it, a text that has more tokens than the model's context can ever hold."""
+    if context.tokenizer.certainly_longer_than(text, context.context_length):
+        raise invalid_request(f"The {param} is longer than this model's maximum context length of "
+                              f"{context.context_length} tokens could hold.", param, "context_length_exceeded")
+
+
+def messages_text(messages: list[ChatMessage]) -> str:
+    return "".join(m.as_template_input()["content"] for m in messages)
+
+
+@router.post("/tokenize", dependencies=[Depends(rate_limited)])
 async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     context = await model_context(request, req.model)
     if req.messages is not None:
-        ids = context.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages])
+        check_fits_context(messages_text(req.messages), context, "messages")
+        ids = await off_loop(request, context.tokenizer.apply_chat_template,
+                             [m.as_template_input() for m in req.messages])
     else:
-        ids = context.tokenizer.encode(req.prompt or "")
+        check_fits_context(req.prompt or "", context, "prompt")
+        ids = await off_loop(request, context.tokenizer.encode, req.prompt or "")
     return {"tokens": ids, "count": len(ids), "max_model_len": context.context_length}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", dependencies=[Depends(rate_limited)])
 async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, str]:
     context = await model_context(request, req.model)
     check_token_ids(req.tokens, context, "tokens")
-    return {"prompt": context.tokenizer.decode(req.tokens)}
+    return {"prompt": await off_loop(request, context.tokenizer.decode, req.tokens)}
 
 
 def check_token_ids(ids: list[int], context: ModelContext, param: str) -> None:
@@ -84,50 +113,64 @@ def check_token_ids(ids: list[int], context: ModelContext, param: str) -> None:
 
 
 # ----- generation ----------------------------------------------------------------------------------
-def new_generation(request: Request, req: SamplingFields, context: ModelContext, prompts: list[list[int]],
-                   top_logprobs: int | None, prompt_param: str) -> Generation:
-    """The serving layer's Generation for this request, after the checks that need no engine: limits,
-    context length, and the tokens-per-minute reservation (prompt + the most it may generate)."""
+def limits(request: Request) -> GenerationLimits:
     settings = request.app.state.settings
-    GenerationLimits(settings.max_n, settings.max_prompt_tokens).check(req.n, prompts, prompt_param)
+    return GenerationLimits(settings.max_n, settings.max_engine_requests, settings.max_prompt_tokens,
+                            settings.max_stop_length)
+
+
+async def new_generation(request: Request, req: SamplingFields, context: ModelContext, prompts: list[list[int]],
+                         top_logprobs: int | None, prompt_param: str) -> Generation:
+    """The serving layer's Generation for this request, after the checks that need no engine (limits,
+    context length), the tokens-per-minute reservation (prompt + the most it may generate), and admission
+    (one slot per engine request)."""
+    limits(request).check_prompts(prompts, prompt_param)
     jobs = choice_jobs(req, prompts, context.context_length, context.tokenizer, top_logprobs, prompt_param)
     ctx = request_context(request)
     generation = Generation(request.app.state.engine, context.tokenizer, jobs, req.stop_strings,
                             sum(len(p) for p in prompts), ctx)
     ctx.reserve_tokens(generation.usage.prompt_tokens + sum(job.request.options.max_tokens for job in jobs))
     ctx.prompt_tokens, ctx.usage = generation.usage.prompt_tokens, generation.usage
-    if settings.log_prompts:
-        ctx.prompt_text = [context.tokenizer.decode(p) for p in prompts]
+    if request.app.state.settings.log_prompts:
+        ctx.prompt_text = [await off_loop(request, context.tokenizer.decode, p) for p in prompts]
         ctx.completion_text = []
+    await ctx.admit(len(jobs))
     return generation
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", dependencies=[Depends(rate_limited)])
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> GenerationResponse:
+    limits(request).check_choices(req.n, 1, "messages")
+    limits(request).check_stops(req.stop_strings)
     context = await model_context(request, req.model)
-    prompt_ids = context.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages])
+    check_fits_context(messages_text(req.messages), context, "messages")
+    prompt_ids = await off_loop(request, context.tokenizer.apply_chat_template,
+                                [m.as_template_input() for m in req.messages])
     top = req.num_top_logprobs if req.logprobs else None
-    generation = new_generation(request, req, context, [prompt_ids], top, "messages")
+    generation = await new_generation(request, req, context, [prompt_ids], top, "messages")
     renderer = ChatRenderer(context.served_model_name, generation.indexes, top, context.tokenizer)
     return GenerationResponse(generation, renderer, stream=req.stream, include_usage=req.include_usage,
                               request_id=request_context(request).request_id)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", dependencies=[Depends(rate_limited)])
 async def completions(req: CompletionRequest, request: Request) -> GenerationResponse:
+    limits(request).check_choices(req.n, len(req.prompts), "prompt")
+    limits(request).check_stops(req.stop_strings)
     context = await model_context(request, req.model)
     prompts: list[list[int]] = []
     for prompt in req.prompts:
         if isinstance(prompt, str):
-            prompts.append(context.tokenizer.encode(prompt))
+            check_fits_context(prompt, context, "prompt")
+            prompts.append(await off_loop(request, context.tokenizer.encode, prompt))
         else:
             check_token_ids(prompt, context, "prompt")
             prompts.append(list(prompt))
     if any(not p for p in prompts):
         raise invalid_request("prompt must not be empty", "prompt")
-    generation = new_generation(request, req, context, prompts, req.logprobs, "prompt")
-    echo = ({job.index: context.tokenizer.decode(job.request.prompt_ids) for job in generation.jobs}
-            if req.echo else {})
+    generation = await new_generation(request, req, context, prompts, req.logprobs, "prompt")
+    echo = ({job.index: await off_loop(request, context.tokenizer.decode, job.request.prompt_ids)
+             for job in generation.jobs} if req.echo else {})
     renderer = CompletionRenderer(context.served_model_name, req.logprobs, context.tokenizer, echo)
     return GenerationResponse(generation, renderer, stream=req.stream, include_usage=req.include_usage,
                               request_id=request_context(request).request_id)

@@ -289,12 +289,27 @@ class GenerationLimits:
     """Per-request limits of this server (settings), checked before anything reaches the engine."""
 
     max_n: int
+    max_engine_requests: int  # prompts x n
     max_prompt_tokens: int = 0  # 0: only the context length
+    max_stop_length: int = 0  # 0: no limit
 
-    def check(self, n: int, prompts: list[list[int]], prompt_param: str) -> None:
+    def check_choices(self, n: int, prompts: int, prompt_param: str) -> None:
+        """Before any tokenization: the work one request may start is bounded (a body of thousands of
+        tiny prompts is refused at once, not run under one admission slot)."""
         if n > self.max_n:
             raise invalid_request(f"n must be at most {self.max_n}", "n")
+        if n * prompts > self.max_engine_requests:
+            raise invalid_request(
+                f"This request would start {n * prompts} generations ({prompts} prompt(s) x n={n}); this "
+                f"server allows at most {self.max_engine_requests} per request.",
+                prompt_param if prompts > 1 else "n", "too_many_generations")
+
+    def check_prompts(self, prompts: list[list[int]], prompt_param: str) -> None:
         longest = max((len(p) for p in prompts), default=0)
         if self.max_prompt_tokens and longest > self.max_prompt_tokens:
             raise invalid_request(f"The prompt has {longest} tokens, more than this server's limit of "
                                   f"{self.max_prompt_tokens}.", prompt_param, "prompt_too_long")
+
+    def check_stops(self, stops: list[str]) -> None:
+        if self.max_stop_length and any(len(stop) > self.max_stop_length for stop in stops):
+            raise invalid_request(f"stop sequences may be at most {self.max_stop_length} characters long", "stop")

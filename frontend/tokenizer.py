@@ -25,10 +25,17 @@ class Tokenizer:
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         # Built once here (this runs in a worker thread at model load): ~0.25 s for a 150k vocabulary.
         self._token_bytes: TokenBytes = build_token_bytes(self._tok)
+        # No token is longer than this many bytes, so a text of more than `n * max_token_bytes` UTF-8
+        # bytes is more than n tokens: long texts are refused before they are tokenized (seconds of CPU).
+        self.max_token_bytes = max((len(self._token_bytes(i)) for i in range(self.vocab_size)), default=1) or 1
 
     @property
     def has_chat_template(self) -> bool:
         return bool(self._tok.chat_template)
+
+    def certainly_longer_than(self, text: str, tokens: int) -> bool:
+        """Whether `text` has more than `tokens` tokens, known without tokenizing it."""
+        return len(text) > tokens * self.max_token_bytes or len(text.encode("utf-8")) > tokens * self.max_token_bytes
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))

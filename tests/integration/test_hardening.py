@@ -218,6 +218,9 @@ def test_rate_limits_per_key_requests_and_tokens_per_minute(stack: Stack, tmp_pa
         limited = httpx.post(url, json=body, headers=auth(KEY_A), timeout=60)
         error = assert_error(limited, 429, "rate_limit_exceeded")
         assert error["type"] == "requests" and int(limited.headers["Retry-After"]) >= 1
+        # the tokenizer helpers do work too: they count against the same budget
+        tokenize = httpx.post(f"{frontend.root}/tokenize", json={"prompt": "hello"}, headers=auth(KEY_A), timeout=60)
+        assert assert_error(tokenize, 429, "rate_limit_exceeded")["type"] == "requests"
         # key B has its own budget; a request that can never fit the token budget is refused
         too_big = httpx.post(url, json={**body, "max_tokens": 450}, headers=auth(KEY_B), timeout=60)
         assert assert_error(too_big, 429, "rate_limit_exceeded")["type"] == "tokens"
@@ -280,7 +283,7 @@ def test_metrics_and_one_json_access_log_line_per_request_without_text(stack: St
     assert record["route"] == "/v1/chat/completions" and record["status"] == 200
     assert record["completion_tokens"] == 5 and record["prompt_tokens"] > 0 and record["finish_reason"] == "length"
     assert record["ttft_s"] > 0 and record["duration_s"] >= record["ttft_s"] and record["queue_s"] >= 0
-    assert len(record["key_id"]) == 8
+    assert len(record["key_id"]) == 12
     assert secret_prompt not in frontend.log.read_text()
 
 

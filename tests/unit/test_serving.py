@@ -162,12 +162,19 @@ def test_every_choice_gets_its_own_server_made_engine_request_id() -> None:
 
 
 def test_limits_name_the_parameter() -> None:
-    with pytest.raises(OpenAIError) as caught:
-        GenerationLimits(max_n=2).check(3, [[1]], "prompt")
-    assert caught.value.param == "n"
-    with pytest.raises(OpenAIError) as caught:
-        GenerationLimits(max_n=2, max_prompt_tokens=2).check(1, [[1, 2, 3]], "messages")
-    assert caught.value.param == "messages" and caught.value.code == "prompt_too_long"
+    limits = GenerationLimits(max_n=4, max_engine_requests=8, max_prompt_tokens=2, max_stop_length=5)
+    for call, param, code in ((lambda: limits.check_choices(5, 1, "prompt"), "n", None),
+                              (lambda: limits.check_choices(1, 3000, "prompt"), "prompt", "too_many_generations"),
+                              (lambda: limits.check_choices(3, 3, "prompt"), "prompt", "too_many_generations"),
+                              (lambda: limits.check_prompts([[1, 2, 3]], "messages"), "messages", "prompt_too_long"),
+                              (lambda: limits.check_stops(["ok", "too long"]), "stop", None)):
+        with pytest.raises(OpenAIError) as caught:
+            call()
+        assert caught.value.status == 400 and caught.value.param == param
+        assert code is None or caught.value.code == code
+    limits.check_choices(4, 2, "prompt")
+    limits.check_prompts([[1, 2]], "prompt")
+    limits.check_stops(["stop!"])
 
 
 def failing_choice(fail_index: int, gate: asyncio.Event) -> Script:

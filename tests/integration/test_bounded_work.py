@@ -1,0 +1,119 @@
+"""Bounded work per request, on the real stack: a request may start at most MAX_ENGINE_REQUESTS generations
+(prompts x n), admission counts engine requests (not HTTP requests), a body that stops arriving is cut
+off, and megabyte-long tokenizer work does not stall live streams.
+
+The admission and stall tests run on the slow test engine (>= 50 ms a step: conftest.SLOW_MODEL), so
+that a stream's pace is set by the test, not by this machine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from launcher.ports import find_free_port
+from tests.integration.conftest import SLOW_MODEL, Stack, start_frontend, stop_process, wait_http_ok
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def slow_frontend(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A frontend on the slow engine with room for 4 engine requests and no queue; bodies must arrive in 1 s."""
+    log = tmp_path_factory.mktemp("bounded_work") / "frontend.log"
+    port = find_free_port()
+    process = start_frontend(stack.triton_grpc_url, port, log, ENGINE_MODEL=SLOW_MODEL, MAX_IN_FLIGHT="4",
+                             MAX_QUEUED="0", BODY_READ_TIMEOUT_S="1")
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health/ready", 120, process)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(process)
+
+
+def test_thousands_of_prompts_are_refused_at_once(stack: Stack) -> None:
+    body = {"model": stack.model, "prompt": [[1]] * 3000, "max_tokens": 2}
+    started = time.monotonic()
+    response = httpx.post(f"{stack.base_url}/completions", json=body, timeout=30)
+    assert time.monotonic() - started < 1.0
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and error["code"] == "too_many_generations" and "3000" in error["message"]
+    n_times_prompts = httpx.post(f"{stack.base_url}/completions", timeout=30,
+                                 json={**body, "prompt": ["a", "b", "c", "d", "e"], "n": 4})
+    assert n_times_prompts.status_code == 400 and n_times_prompts.json()["error"]["param"] == "prompt"
+
+
+async def test_admission_counts_engine_requests_not_http_requests(slow_frontend: str) -> None:
+    url = f"{slow_frontend}/v1/completions"
+    four = {"model": "demo-tiny", "prompt": "four choices", "n": 4, "max_tokens": 200, "ignore_eos": True,
+            "stream": True}  # 200 steps of >= 50 ms: running for >= 10 s
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", url, json=four) as running:
+            assert running.status_code == 200
+            lines = running.aiter_lines()  # kept referenced: a collected line iterator closes the response
+            async for line in lines:
+                if line.startswith("data: {"):
+                    break
+            # the 4 choices hold all 4 slots: one more engine request is refused at once (no queue)
+            refused = await http.post(url, json={"model": "demo-tiny", "prompt": "one", "max_tokens": 1})
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "overloaded", refused.text
+            assert int(refused.headers["Retry-After"]) >= 1
+        # leaving frees the 4 slots
+        deadline = time.monotonic() + 10
+        while (again := await http.post(url, json={"model": "demo-tiny", "prompt": "one", "max_tokens": 1})
+               ).status_code == 429:
+            assert time.monotonic() < deadline, again.text
+            await asyncio.sleep(0.1)
+        assert again.status_code == 200
+
+
+def test_a_body_that_stops_arriving_is_cut_off(slow_frontend: str) -> None:
+    host, port = slow_frontend.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=15) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 200\r\n\r\n{\"model\": \"demo-tiny\", \"prompt\": \"half")
+        started = time.monotonic()
+        received = b""
+        while chunk := conn.recv(65536):  # the server answers, then closes the connection
+            received += chunk
+        took = time.monotonic() - started
+    assert received.startswith(b"HTTP/1.1 408"), received[:200]
+    assert json.loads(received.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "body_timeout"
+    assert took < 10  # BODY_READ_TIMEOUT_S is 1
+
+
+async def test_megabyte_tokenizer_work_does_not_stall_a_live_stream(slow_frontend: str) -> None:
+    # ~3 MB, encoded here once: the test's own event loop times the stream and must not be busy with it
+    big = json.dumps({"model": "demo-tiny", "prompt": "The quick brown fox jumps over the lazy dog. " * 70_000})
+    stream_body = {"model": "demo-tiny", "prompt": "live", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    arrivals: list[float] = []
+    async with httpx.AsyncClient(timeout=60) as http:
+        async def live() -> None:
+            async with http.stream("POST", f"{slow_frontend}/v1/completions", json=stream_body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+
+        stream = asyncio.create_task(live())
+        while len(arrivals) < 30:  # the stream's normal pace, alone
+            await asyncio.sleep(0.05)
+        normal_gap = statistics.median(b - a for a, b in zip(arrivals, arrivals[1:]))
+        window_start = len(arrivals) - 1
+        answers = await asyncio.gather(*(http.post(f"{slow_frontend}/tokenize", content=big.encode(),
+                                                   headers={"Content-Type": "application/json"}) for _ in range(3)))
+        window_end = len(arrivals)
+        await stream
+    assert all(a.status_code == 400 and a.json()["error"]["code"] == "context_length_exceeded" for a in answers)
+    window = arrivals[window_start:window_end + 1]
+    assert len(window) >= 2
+    worst = max(b - a for a, b in zip(window, window[1:]))
+    print(f"\nstream gap: normal {normal_gap * 1000:.0f} ms, worst during 3 x 3 MB /tokenize {worst * 1000:.0f} ms")
+    assert worst <= 3 * normal_gap
