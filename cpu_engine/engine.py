@@ -38,6 +38,10 @@ class EngineFailedError(RequestError):
     """The engine thread died; no request can be served until the model is loaded again."""
 
 
+class QueueFullError(RequestError):
+    """As many requests wait as the engine may queue: this one is refused at once (retry later)."""
+
+
 def configure_threads(num_threads: int) -> int:
     threads = num_threads if num_threads > 0 else len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -49,17 +53,19 @@ class Engine:
                  cancelled: Callable[[list[GenerationRequest]], list[bool]] | None = None,
                  cancel_poll_s: float = 0.02, on_stats: Callable[[EngineStats], None] | None = None,
                  stats_period_s: float = 0.1, after_step: Callable[[], None] | None = None,
-                 on_failure: Callable[[str], None] | None = None):
+                 on_failure: Callable[[str], None] | None = None, max_queued: int = 0):
         """`after_step` runs on the engine thread after every step, before the next: the Triton glue
         waits there for the step's responses to be delivered (and the failure guard calls it once more to
         deliver the error responses). `on_failure` runs once on the engine thread, with the reason, after
-        the engine died and every open request got its error."""
+        the engine died and every open request got its error. `max_queued` bounds the requests waiting
+        for a slot (0: no bound), so that a flood is refused at once instead of queued without end."""
         self.scheduler = scheduler
         self._after_step = after_step
         self._cancelled = cancelled
         self._cancel_poll_s = cancel_poll_s
         self._on_stats = on_stats
         self._on_failure = on_failure
+        self._max_queued = max_queued
         self._stats_period_s = stats_period_s
         self._published_occupancy: tuple[int, int] | None = None
         self._published_at = 0.0
@@ -112,9 +118,15 @@ class Engine:
         return not self._thread.is_alive()
 
     def submit(self, request: GenerationRequest) -> None:
-        """Raises RequestError at once for a request that can never run, EngineFailedError if the engine
-        died."""
+        """Raises RequestError at once for a request that can never run, QueueFullError when `max_queued`
+        requests already wait, EngineFailedError if the engine died."""
         self.scheduler.validate(request)
+        # Requests that will have to wait for a slot: queued or just submitted, less the free slots they will
+        # take (approximate: read off the engine thread, which may be asleep while a burst arrives).
+        waiting = len(self.scheduler.waiting) + self._inbox.qsize() - len(self.scheduler.free_slots)
+        if self._max_queued and waiting >= self._max_queued:
+            raise QueueFullError(f"the engine's queue is full ({waiting} requests waiting for a slot); "
+                                 "retry later")
         self._put("add", request)
 
     def cancel(self, request: GenerationRequest) -> None:

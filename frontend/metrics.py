@@ -26,7 +26,7 @@ class Metrics:
                                 ["route", "status", "finish_reason"], registry=r)
         self.rejected = Counter(f"{PREFIX}_requests_rejected", "requests refused before generation, by reason "
                                 "(unauthorized, body_too_large, queue_full, queue_timeout, requests_per_minute, "
-                                "tokens_per_minute, shutting_down)", ["reason"], registry=r)
+                                "tokens_per_minute, shutting_down, body_timeout)", ["reason"], registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of generation requests", ["route"],
                                      registry=r)
         self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "generated tokens", ["route"], registry=r)

@@ -18,7 +18,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from frontend.engine import EngineMetadata, EngineRequest, SamplingOptions, TokenChunk
-from frontend.errors import OpenAIError, engine_error, invalid_request, service_unavailable
+from frontend.errors import OpenAIError, engine_error, invalid_request, service_unavailable, too_many_requests
 
 
 def _is_unavailable(exc: BaseException) -> bool:
@@ -50,6 +50,9 @@ CLIENT_ERROR_STATUSES = ("INVALID_ARGUMENT", "INVALID_ARG")
 # A dead engine refuses every request with a message that may quote anything (its exception): never a 400.
 ENGINE_FAILURES = ("the engine failed", "the engine has failed")
 MAX_ENGINE_MESSAGE = 500  # characters of an engine message passed on to clients
+# A full queue: the CPU engine's (cpu_engine/engine.py QueueFullError) or Triton's own (dynamic batcher).
+QUEUE_FULL = ("queue is full", "Exceeds maximum queue size")
+ENGINE_RETRY_AFTER_S = 1.0
 
 
 def is_client_error(error: InferenceServerException) -> bool:
@@ -72,6 +75,20 @@ def client_message(message: str | None) -> str:
     if len(text) > MAX_ENGINE_MESSAGE:
         text = text[: MAX_ENGINE_MESSAGE - 3] + "..."
     return text or "no details"
+
+
+def error_for(error: InferenceServerException, engine_model: str) -> OpenAIError:
+    """The OpenAI error for an engine's error response: 503 when the model is not loaded, 429 when its
+    queue is full (the client may retry), 400 when it refused what the client sent, else 500."""
+    message = error.message() or ""
+    if _model_gone(error):
+        return service_unavailable(f"the engine model {engine_model!r} is not loaded")
+    if any(words in message for words in QUEUE_FULL):
+        return too_many_requests(f"The engine is at capacity: {client_message(message)}", ENGINE_RETRY_AFTER_S)
+    if is_client_error(error):
+        return invalid_request(f"the engine refused the request: {client_message(message)}",
+                               code="invalid_engine_request")
+    return engine_error(f"the engine failed the request: {client_message(message)}")
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -211,12 +228,7 @@ class TritonEngine:
         try:
             async for result, error in call:
                 if error is not None:
-                    if _model_gone(error):
-                        raise service_unavailable(f"the engine model {self.engine_model!r} is not loaded")
-                    if is_client_error(error):
-                        raise invalid_request(f"the engine refused the request: {client_message(error.message())}",
-                                              code="invalid_engine_request")
-                    raise engine_error(f"the engine failed the request: {client_message(error.message())}")
+                    raise error_for(error, self.engine_model)
                 ids = result.as_numpy("output_ids")
                 if ids is None or ids.size == 0:
                     continue

@@ -33,6 +33,7 @@ SLOW_MODEL = "tensorrt_llm_slow"  # >= 50 ms a step: 450 tokens take >= 22 s
 HELD_MODEL = "tensorrt_llm_held"  # no response leaves until 60 s after the request (or its end)
 FAULTY_MODEL = "tensorrt_llm_faulty"  # a request with seed FAIL_SEED fails after its first token
 FAIL_SEED = 1001
+SLOW_MODEL_QUEUE = 4  # the slow engine's own queue bound (the real one's is 256): 8 running + 4 waiting
 KNOB_MODELS: dict[str, dict[str, float]] = {
     SLOW_MODEL: {"test_step_delay_s": 0.05},
     HELD_MODEL: {"test_hold_first_response_s": 60, "test_step_delay_s": 0.05},
@@ -62,6 +63,14 @@ class Stack:
         return float(match.group(1))
 
 
+def set_parameter(model_dir: Path, key: str, value: str) -> None:
+    """Change one parameter of a rendered model config."""
+    config = model_dir / "config.pbtxt"
+    text, count = re.subn(rf'(key: "{key}"\s*value: {{ string_value: )"[^"]*"', rf'\1"{value}"', config.read_text())
+    assert count == 1, f"{key} not in {config}"
+    config.write_text(text)
+
+
 def start_frontend(triton_grpc_url: str, port: int, log_file: Path, **env: str) -> subprocess.Popen:
     environment = {**os.environ, "FRONTEND_HOST": "127.0.0.1", "FRONTEND_PORT": str(port),
                    "TRITON_GRPC_URL": triton_grpc_url, **env}
@@ -85,6 +94,7 @@ def stack(built_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     shutil.copytree(built_engine / "model_repository", repository)
     for name, knobs in KNOB_MODELS.items():
         add_knob_model(repository, name, **knobs)
+    set_parameter(repository / SLOW_MODEL, "cpu_max_queue_size", str(SLOW_MODEL_QUEUE))
     scripted = add_scripted_model(repository, repository.parent / "scripted")
     http, grpc, metrics, frontend_port = (find_free_port() for _ in range(4))
     triton = TritonServer(repository, http_port=http, grpc_port=grpc,

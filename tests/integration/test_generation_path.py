@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from launcher.ports import find_free_port
-from tests.integration.conftest import (FAIL_SEED, FAULTY_MODEL, HELD_MODEL, SLOW_MODEL, Stack, start_frontend,
-                                        stop_process, wait_http_ok)
+from tests.integration.conftest import (FAIL_SEED, FAULTY_MODEL, HELD_MODEL, SLOW_MODEL, SLOW_MODEL_QUEUE, Stack,
+                                        start_frontend, stop_process, wait_http_ok)
 
 pytestmark = pytest.mark.integration
 
@@ -178,3 +178,28 @@ def test_n3_with_one_failing_choice_cancels_the_other_two_engine_requests(
     assert "injected" in json.loads(payloads[-2])["error"]["message"]
     assert wait_until(lambda: idle(stack, FAULTY_MODEL), 2.0)
 
+
+
+async def test_a_full_engine_queue_is_a_429_at_once_not_a_hang(stack: Stack, frontends: dict[str, str]) -> None:
+    url = f"{frontends[SLOW_MODEL]}/completions"
+    # 3 prompts x n=4 on the slow engine: 8 run (its batch), 4 wait, which is its queue bound (SLOW_MODEL_QUEUE)
+    twelve = {"model": "demo-tiny", "prompt": ["fill", "the", "queue"], "n": 4, "max_tokens": 200,
+              "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", url, json=twelve) as running:
+            assert running.status_code == 200
+            lines = running.aiter_lines()  # kept referenced: a collected line iterator closes the response
+            async for line in lines:
+                if line.startswith("data: {"):
+                    break
+            def full() -> bool:
+                return (stack.engine_metric("active_slots", SLOW_MODEL) == 8
+                        and stack.engine_metric("queued_requests", SLOW_MODEL) == SLOW_MODEL_QUEUE)
+
+            assert await asyncio.to_thread(wait_until, full, 30)
+            refused = await http.post(url, json={"model": "demo-tiny", "prompt": "one more", "max_tokens": 1})
+    assert refused.status_code == 429, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "overloaded" and "queue is full" in error["message"]
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert await asyncio.to_thread(wait_until, lambda: idle(stack, SLOW_MODEL), 2.0)  # the 12 were cancelled

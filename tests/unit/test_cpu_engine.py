@@ -540,3 +540,12 @@ def test_engine_bench_measures_plain_steps_through_the_runner(checkpoint: Path) 
     assert runner_tokens_per_s(runner, batch=3, steps=2) > 0
     assert bool(runner.k_cache[:, :3, :, :37].abs().sum(dim=(0, 2, 4)).gt(0).all())  # 32 prompt + 5 decode
     assert not runner.k_cache[:, 3].any()  # the fourth slot was never touched
+
+
+def test_a_full_engine_queue_refuses_at_once(checkpoint: Path) -> None:
+    from cpu_engine.engine import QueueFullError
+    engine = Engine(make_scheduler(checkpoint, slots=4), max_queued=2)  # not started: nothing is taken in
+    for name in "abcdef":  # 4 will take the free slots, 2 may wait
+        engine.submit(request(name, prompt_of(3), 2))
+    with pytest.raises(QueueFullError, match="queue is full"):
+        engine.submit(request("g", prompt_of(3), 2))

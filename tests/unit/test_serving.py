@@ -347,3 +347,19 @@ async def test_a_bug_in_the_generation_path_is_a_500_or_an_error_event_never_a_b
     events = client.events()
     assert client.status == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize(("message", "status", "code"), [
+    ("the engine's queue is full (256 requests waiting for a slot); retry later", 429, "overloaded"),
+    ("Exceeds maximum queue size", 429, "overloaded"),
+    ("input_ids holds token id 9999, outside the vocabulary [0, 4096)", 400, "invalid_engine_request"),
+    ("Request for unknown model: 'tensorrt_llm' has no available versions", 503, "service_unavailable"),
+    ("engine step failed: RuntimeError: boom", 500, "engine_error"),
+])
+def test_engine_error_responses_map_to_what_the_client_can_do(message: str, status: int, code: str) -> None:
+    from tritonclient.utils import InferenceServerException
+
+    from frontend.triton_engine import error_for
+    error = error_for(InferenceServerException(message), "tensorrt_llm")
+    assert (error.status, error.code) == (status, code)
+    assert status != 429 or int(error.headers["Retry-After"]) >= 1

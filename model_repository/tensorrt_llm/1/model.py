@@ -245,7 +245,8 @@ class TritonPythonModel:
         self.channel = self._make_channel()
         self.engine = Engine.from_config(
             engine_config, cancelled=self.channel.cancelled, on_stats=self.metrics.publish,
-            after_step=self._after_step, on_failure=self._engine_failed)
+            after_step=self._after_step, on_failure=self._engine_failed,
+            max_queued=int(_param(config, "cpu_max_queue_size", "0") or 0))
         pb_utils.Logger.log_info(self.engine.describe())
         self.engine.start()
 
