@@ -7,11 +7,13 @@ control (tests/integration/engine_knobs.py), so that no test depends on how fast
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -61,6 +63,21 @@ class Stack:
         match = re.search(rf'^cpu_engine_{name}{{[^}}]*model="{model}"[^}}]*}} ([0-9.e+-]+)$', text, re.M)
         assert match, f"cpu_engine_{name} of {model} not exported"
         return float(match.group(1))
+
+
+async def read_stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event,
+                      started_after: int = 1) -> tuple[list[str], float]:
+    """Every data payload of one SSE stream (`started` set once `started_after` have come), and when the
+    stream ended."""
+    payloads: list[str] = []
+    async with client.stream("POST", url, json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                payloads.append(line[len("data: "):])
+                if len(payloads) >= started_after:
+                    started.set()
+    return payloads, time.monotonic()
 
 
 def set_parameter(model_dir: Path, key: str, value: str) -> None:

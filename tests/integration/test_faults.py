@@ -16,22 +16,9 @@ import pytest
 
 from launcher.ports import find_free_port
 from launcher.tritonserver import TritonServer
-from tests.integration.conftest import start_frontend, stop_process, wait_http_ok
+from tests.integration.conftest import read_stream, start_frontend, stop_process, wait_http_ok
 
 pytestmark = pytest.mark.integration
-
-
-async def read_stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event) -> tuple[list[str], float]:
-    """Every data payload of one SSE stream, and when the stream ended."""
-    payloads: list[str] = []
-    async with client.stream("POST", url, json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                payloads.append(line[len("data: "):])
-                if len(payloads) >= 3:
-                    started.set()
-    return payloads, time.monotonic()
 
 
 async def test_triton_killed_mid_stream_then_restarted(built_engine: Path, tmp_path: Path) -> None:
@@ -53,7 +40,8 @@ async def test_triton_killed_mid_stream_then_restarted(built_engine: Path, tmp_p
         body = {"model": "demo-tiny", "prompt": "keep going", "max_tokens": 450, "ignore_eos": True, "stream": True}
         async with httpx.AsyncClient(timeout=30) as client:
             events = [asyncio.Event() for _ in range(8)]  # 8 concurrent streams, as many as the engine runs
-            streams = [asyncio.create_task(read_stream(client, f"{root}/v1/completions", body, e)) for e in events]
+            streams = [asyncio.create_task(read_stream(client, f"{root}/v1/completions", body, e, started_after=3))
+                       for e in events]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
             os.killpg(first.pid, signal.SIGKILL)
             killed = time.monotonic()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -22,7 +21,8 @@ import pytest
 
 from launcher import __main__ as launcher
 from launcher.ports import find_free_port
-from tests.integration.conftest import SLOW_MODEL, Stack, start_frontend, stop_process, wait_http_ok
+from tests.integration.conftest import SLOW_MODEL, Stack, read_stream, start_frontend, stop_process, wait_http_ok
+from tests.tls import self_signed_certificate
 
 pytestmark = pytest.mark.integration
 
@@ -290,13 +290,7 @@ def test_metrics_and_one_json_access_log_line_per_request_without_text(stack: St
 # ----- TLS ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    tmp = tmp_path_factory.mktemp("tls")
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
-    return cert, key
+    return self_signed_certificate(tmp_path_factory.mktemp("tls"))
 
 
 def test_https_and_the_launcher_probe_use_tls(stack: Stack, tmp_path: Path, certificate, monkeypatch) -> None:
@@ -369,16 +363,3 @@ async def test_sigterm_lets_short_streams_finish(stack: Stack, tmp_path: Path) -
         frontend.process.wait(15)  # exits well before the 20 s grace: nothing left in flight
     finally:
         stop_process(frontend.process)
-
-
-async def read_stream(client: httpx.AsyncClient, url: str, body: dict,
-                      started: asyncio.Event) -> tuple[list[str], float]:
-    """Every data payload of one SSE stream (`started` set at the first), and when the stream ended."""
-    payloads = []
-    async with client.stream("POST", url, json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                payloads.append(line[6:])
-                started.set()
-    return payloads, time.monotonic()

@@ -36,6 +36,7 @@ import pytest
 
 from launcher.ports import find_free_port
 from launcher.tritonserver import group_alive
+from tests.integration.conftest import read_stream
 from tests.integration.engine_knobs import add_knob_model
 
 pytestmark = pytest.mark.integration
@@ -99,19 +100,6 @@ async def wait_status(client: httpx.AsyncClient, method: str, url: str, status: 
             last = exc
         assert time.monotonic() < deadline, f"{url} not {status} after {timeout_s} s: {last!r}"
         await asyncio.sleep(0.2)
-
-
-async def read_stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event) -> list[str]:
-    """Every data payload of one SSE stream; `started` is set once tokens are flowing."""
-    payloads: list[str] = []
-    async with client.stream("POST", url, json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                payloads.append(line[len("data: "):])
-                if len(payloads) >= 3:
-                    started.set()
-    return payloads
 
 
 # ----- the launcher under test --------------------------------------------------------------------------
@@ -210,13 +198,14 @@ async def test_launcher_restarts_what_dies_and_gives_up_past_its_budget(
             for round_ in (1, 2):
                 victim = launcher.child(TRITON, killed)
                 events = [asyncio.Event() for _ in range(STREAMS)]
-                streams = [asyncio.create_task(read_stream(client, f"{root}/v1/completions", stream_body, e))
+                streams = [asyncio.create_task(read_stream(client, f"{root}/v1/completions", stream_body, e,
+                                                           started_after=3))
                            for e in events]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
                 os.killpg(victim, signal.SIGKILL)
                 killed.add(victim)
                 kill_time = time.monotonic()
-                for payloads in await asyncio.wait_for(asyncio.gather(*streams), 30):
+                for payloads, _ in await asyncio.wait_for(asyncio.gather(*streams), 30):
                     assert payloads[-1] == "[DONE]"
                     assert json.loads(payloads[-2])["error"]["code"] == "service_unavailable"
                 await wait_status(client, "GET", f"{root}/health/ready", 503, 10, launcher.process)

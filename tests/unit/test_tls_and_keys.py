@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import socket
 import ssl
 import subprocess
@@ -25,6 +24,7 @@ from frontend import auth
 from frontend.__main__ import MINIMUM_TLS, build_config, refuse_secret_flags, tls_context
 from frontend.auth import HashedKeys, KeyStore
 from frontend.settings import MOZILLA_INTERMEDIATE_CIPHERS, Settings
+from tests.tls import self_signed_certificate
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-unit-test-plaintext-0123456789"
@@ -96,13 +96,7 @@ def test_cipher_setting_is_checked_at_start() -> None:
 # ----- a live HTTPS server --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    tmp = tmp_path_factory.mktemp("tls")
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
-    return cert, key
+    return self_signed_certificate(tmp_path_factory.mktemp("tls"))
 
 
 def _free_port() -> int:
