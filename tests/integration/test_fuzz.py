@@ -145,8 +145,8 @@ def fuzz_target(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield root, log
         assert process.poll() is None, "the frontend died"
         assert httpx.get(f"{root}/health/ready", timeout=10).status_code == 200
-        ok = httpx.post(f"{root}/v1/completions", json={"model": "demo-tiny", "prompt": "still fine?", "max_tokens": 2},
-                        timeout=60)
+        ok = httpx.post(f"{root}/v1/completions", timeout=60,
+                        json={"model": "demo-tiny", "prompt": "still fine?", "max_tokens": 2, "ignore_eos": True})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
         assert "Traceback" not in log.read_text(errors="replace")
     finally:
