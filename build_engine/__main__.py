@@ -10,7 +10,7 @@ from build_engine import trtllm
 from build_engine.cpu_engine_builder import DTYPES
 from build_engine.demo_checkpoint import PRESETS
 from build_engine.errors import BuildError
-from build_engine.pipeline import DEFAULT_PRESET, BuildRequest, build, existing_build, plan_trtllm
+from build_engine.pipeline import DEFAULT_PRESET, BuildRequest, build, dry_run, existing_build
 
 EXIT_USAGE = 2
 
@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool]:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="print the commands the build would run (trtllm), shell-quoted, and run nothing",
+        help="trtllm: print the commands the build would run, shell-quoted, and render the model repository "
+        "it would serve into OUTPUT_DIR/model_repository; builds nothing",
     )
     parser.add_argument(
         "--if-missing", action="store_true", help="do nothing if a matching engine is already built"
@@ -87,10 +88,12 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (2 for anything the user must fix)."""
-    request, if_missing, dry_run = parse_args(argv)
+    request, if_missing, dry = parse_args(argv)
     try:
-        if dry_run:
-            sys.stdout.write(trtllm.format_commands(plan_trtllm(request).commands))
+        if dry:
+            sys.stdout.write(trtllm.format_commands(dry_run(request).commands))
+            print(f"model repository (rendered, not servable until built): {request.repository_dir}",
+                  file=sys.stderr)
             return 0
         if if_missing:
             existing = existing_build(request)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from build_engine import trtllm
 from build_engine.checkpoint import CheckpointInfo, validate_checkpoint
@@ -19,10 +21,13 @@ from build_engine.errors import BuildError
 from build_engine.limits import EngineLimits, resolve_limits
 from build_engine.render import render_repository
 from build_engine.values import repository_values
+from build_engine.xgrammar_info import XgrammarInfoError, tokenizer_info, write_tokenizer_info
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "model_repository"
 DEFAULT_PRESET = "small"
 BACKENDS = ("cpu", "trtllm")
+# Beside the TensorRT-LLM engine: the tokenizer description its guided decoding (xgrammar) reads.
+XGRAMMAR_INFO_FILE = "xgrammar_tokenizer_info.json"
 
 
 @dataclass(frozen=True)
@@ -138,14 +143,54 @@ def _trtllm_options(request: BuildRequest) -> trtllm.TrtllmOptions:
     )
 
 
-def plan_trtllm(request: BuildRequest) -> trtllm.TrtllmPlan:
-    """The TensorRT-LLM commands ``build(request)`` would run (for --dry-run); runs nothing."""
-    if request.backend != "trtllm":
-        raise BuildError("only the trtllm backend runs external commands; the cpu build has none to print")
-    checkpoint, _, limits = _checkpoint_and_limits(request)
+def _trtllm_plan(request: BuildRequest, checkpoint: CheckpointInfo, limits: EngineLimits) -> trtllm.TrtllmPlan:
     return trtllm.plan_build(
         checkpoint, limits, _trtllm_options(request), work_dir=request.output_dir, engine_dir=request.engine_dir
     )
+
+
+def _trtllm_engine_config(
+    request: BuildRequest, checkpoint: CheckpointInfo, served_model_name: str, limits: EngineLimits,
+    plan: trtllm.TrtllmPlan, *, version: str, checkpoint_hash: str,
+) -> dict[str, Any]:
+    return trtllm.trtllm_engine_config(
+        checkpoint, plan, limits, _trtllm_options(request), served_model_name=served_model_name,
+        source=request.source, version=version, checkpoint_hash=checkpoint_hash,
+        xgrammar_tokenizer_info=_xgrammar_info_path(request, checkpoint),
+    )
+
+
+def _xgrammar_info_path(request: BuildRequest, checkpoint: CheckpointInfo) -> Path | None:
+    """Where the build will write the tokenizer info for guided decoding, or None (with a warning) for a
+    tokenizer it cannot describe: the engine still serves, without guided decoding."""
+    try:
+        tokenizer_info(checkpoint.directory)
+    except XgrammarInfoError as exc:
+        print(f"warning: guided decoding will not be available on this engine: {exc}", file=sys.stderr)
+        return None
+    return request.engine_dir / XGRAMMAR_INFO_FILE
+
+
+def dry_run(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> trtllm.TrtllmPlan:
+    """The TensorRT-LLM commands ``build(request)`` would run, with the model repository it would serve
+    rendered into ``<output_dir>/model_repository`` so that its exact configs can be read before a long
+    build. Runs nothing, builds nothing, and never touches a folder that already holds a built engine."""
+    if request.backend != "trtllm":
+        raise BuildError("only the trtllm backend runs external commands; the cpu build has none to print")
+    if (request.engine_dir / ENGINE_CONFIG_FILE).exists():
+        raise BuildError(
+            f"{request.output_dir} already holds a built engine, whose model repository a dry run would "
+            "overwrite; give the dry run another --output-dir"
+        )
+    checkpoint, served_model_name, limits = _checkpoint_and_limits(request)
+    plan = _trtllm_plan(request, checkpoint, limits)
+    engine_config = _trtllm_engine_config(
+        request, checkpoint, served_model_name, limits, plan,
+        version=trtllm.installed_version() or "not installed", checkpoint_hash="not computed (dry run)",
+    )
+    values = repository_values(template_dir, request.backend, engine_config, request.engine_dir)
+    render_repository(template_dir, values, request.repository_dir)
+    return plan
 
 
 def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResult:
@@ -153,20 +198,10 @@ def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResu
     checkpoint, served_model_name, limits = _checkpoint_and_limits(request)
     plan: trtllm.TrtllmPlan | None = None
     if request.backend == "trtllm":
-        options = _trtllm_options(request)
-        plan = trtllm.plan_build(
-            checkpoint, limits, options, work_dir=request.output_dir, engine_dir=request.engine_dir
-        )
-        version = trtllm.check_toolchain(plan)
-        engine_config = trtllm.trtllm_engine_config(
-            checkpoint,
-            plan,
-            limits,
-            options,
-            served_model_name=served_model_name,
-            source=request.source,
-            version=version,
-            checkpoint_hash=trtllm.checkpoint_sha256(checkpoint.directory),
+        plan = _trtllm_plan(request, checkpoint, limits)
+        engine_config = _trtllm_engine_config(
+            request, checkpoint, served_model_name, limits, plan,
+            version=trtllm.check_toolchain(plan), checkpoint_hash=trtllm.checkpoint_sha256(checkpoint.directory),
         )
     else:
         dtype = request.dtype or "float32"
@@ -190,6 +225,10 @@ def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResu
                 f"trtllm-build wrote TensorRT-LLM version {built_by} into {plan.engine_dir}/config.json, "
                 f"but the installed package is {engine_config['tensorrt_llm_version']}"
             )
+        # What guided decoding needs (xgrammar_tokenizer_info_path); written after the build, which
+        # starts by clearing the engine folder.
+        if engine_config["xgrammar_tokenizer_info"]:
+            write_tokenizer_info(checkpoint.directory, Path(engine_config["xgrammar_tokenizer_info"]))
     # Written last, so a failed render or build never leaves an engine that --if-missing would accept.
     write_engine_config(request.engine_dir, engine_config)
     return BuildResult(request.engine_dir.resolve(), request.repository_dir.resolve(), served_model_name)

@@ -245,6 +245,7 @@ def trtllm_engine_config(
     source: Mapping[str, str],
     version: str,
     checkpoint_hash: str,
+    xgrammar_tokenizer_info: Path | None,
 ) -> dict[str, Any]:
     """The content of ``engine_config.json`` for a TensorRT-LLM engine (read by the launcher's check)."""
     return {
@@ -266,6 +267,8 @@ def trtllm_engine_config(
         "source": dict(source),
         "tensorrt_llm_version": version,
         "commands": [list(command) for command in plan.commands],
+        # The guided-decoding tokenizer description (build_engine/xgrammar_info.py); None: not available.
+        "xgrammar_tokenizer_info": str(Path(xgrammar_tokenizer_info).resolve()) if xgrammar_tokenizer_info else None,
     }
 
 

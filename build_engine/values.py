@@ -38,6 +38,8 @@ def engine_values(engine_config: Mapping[str, Any], engine_dir: Path) -> dict[st
         "max_seq_len": str(engine_config["max_seq_len"]),
         "max_num_tokens": str(engine_config["max_num_tokens"]),
         "served_model_name": str(engine_config["served_model_name"]),
+        # TensorRT-LLM builds write it (build_engine/xgrammar_info.py); empty for the CPU engine.
+        "xgrammar_tokenizer_info_path": str(engine_config.get("xgrammar_tokenizer_info") or ""),
     }
 
 

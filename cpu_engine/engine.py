@@ -62,7 +62,7 @@ class Engine:
         self.scheduler = scheduler
         self._after_step = after_step
         self._cancelled = cancelled
-        self._cancel_poll_s = cancel_poll_s
+        self.cancel_poll_s = cancel_poll_s  # how often Triton's cancellations are polled
         self._on_stats = on_stats
         self._on_failure = on_failure
         self._max_queued = max_queued
@@ -206,7 +206,7 @@ class Engine:
                 self._wakeup.clear()
                 continue
             now = time.monotonic()
-            if now - last_poll >= self._cancel_poll_s:
+            if now - last_poll >= self.cancel_poll_s:
                 self._poll_cancellations()
                 last_poll = now
             try:

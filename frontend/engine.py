@@ -59,6 +59,7 @@ class EngineMetadata:
     served_model_name: str | None
     tokenizer_dir: Path | None
     context_length: int | None
+    max_top_logprobs: int = 0  # most alternatives per token the engine returns (0: sampled tokens only)
 
 
 class LLMEngine(Protocol):

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from frontend.engine import EngineMetadata, LLMEngine
+from frontend.engine import LLMEngine
 from frontend.errors import service_unavailable
 from frontend.settings import Settings
 from frontend.tokenizer import Tokenizer
@@ -23,6 +23,7 @@ class ModelContext:
     served_model_name: str
     context_length: int
     tokenizer: Tokenizer
+    max_top_logprobs: int  # most alternatives per token the engine can return (0: none)
 
 
 class ModelContextLoader:
@@ -48,21 +49,17 @@ class ModelContextLoader:
 
     async def _load(self) -> ModelContext:
         s = self._settings
-        known = EngineMetadata(s.served_model_name, s.tokenizer_dir, s.context_length)
-        if None in (known.served_model_name, known.tokenizer_dir, known.context_length):
-            asked = await self._engine.metadata()
-        else:
-            asked = known
-        tokenizer_dir = known.tokenizer_dir or asked.tokenizer_dir
+        asked = await self._engine.metadata()  # always: what the engine can do is only known there
+        tokenizer_dir = s.tokenizer_dir or asked.tokenizer_dir
         if tokenizer_dir is None:
             raise service_unavailable(
                 f"Triton's {s.preprocessing_model!r} model does not name a tokenizer_dir; "
                 "start the frontend with --tokenizer-dir")
-        context_length = known.context_length or asked.context_length or 0
+        context_length = s.context_length or asked.context_length or 0
         if context_length <= 0:
             raise service_unavailable(
                 f"Triton's {s.engine_model!r} model does not give max_seq_len; start the frontend with "
                 "--context-length")
-        name = known.served_model_name or asked.served_model_name or tokenizer_dir.name
+        name = s.served_model_name or asked.served_model_name or tokenizer_dir.name
         tokenizer = await asyncio.to_thread(Tokenizer, tokenizer_dir, s.chat_template)
-        return ModelContext(name, context_length, tokenizer)
+        return ModelContext(name, context_length, tokenizer, asked.max_top_logprobs)

@@ -106,6 +106,18 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, str]
     return {"prompt": await off_loop(request, context.tokenizer.decode, req.tokens)}
 
 
+def check_top_logprobs(top_logprobs: int | None, context: ModelContext, param: str) -> None:
+    """Refuse alternatives the engine cannot give, rather than answer without them."""
+    if not top_logprobs or top_logprobs <= context.max_top_logprobs:
+        return
+    if context.max_top_logprobs == 0:
+        raise invalid_request(
+            f"This engine returns the sampled tokens' log-probabilities only, no most likely alternatives "
+            f"(the TensorRT-LLM backend has none); ask for logprobs with {param} 0.", param)
+    raise invalid_request(f"This engine returns at most {context.max_top_logprobs} alternatives per token; "
+                          f"{param} was {top_logprobs}.", param)
+
+
 def check_token_ids(ids: list[int], context: ModelContext, param: str) -> None:
     vocab = context.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in ids):
@@ -143,6 +155,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Gene
     limits(request).check_choices(req.n, 1, "messages")
     limits(request).check_stops(req.stop_strings)
     context = await model_context(request, req.model)
+    check_top_logprobs(req.num_top_logprobs, context, "top_logprobs")
     check_fits_context(messages_text(req.messages), context, "messages")
     prompt_ids = await off_loop(request, context.tokenizer.apply_chat_template,
                                 [m.as_template_input() for m in req.messages])
@@ -158,6 +171,7 @@ async def completions(req: CompletionRequest, request: Request) -> GenerationRes
     limits(request).check_choices(req.n, len(req.prompts), "prompt")
     limits(request).check_stops(req.stop_strings)
     context = await model_context(request, req.model)
+    check_top_logprobs(req.logprobs, context, "logprobs")
     prompts: list[list[int]] = []
     for prompt in req.prompts:
         if isinstance(prompt, str):

@@ -35,8 +35,10 @@ def _model_gone(error: InferenceServerException) -> bool:
     return "unknown model" in (error.message() or "").lower()
 
 
-# The CPU engine's refusals of a request that can never run (cpu_engine/scheduler.py `validate`, the
-# glue's `RequestError`s in model_repository/tensorrt_llm/1/model.py): the client's mistake, a 400. Triton
+# The engines' refusals of a request that can never run: the CPU engine's (cpu_engine/scheduler.py
+# `validate`, the glue's `RequestError`s in model_repository/tensorrt_llm/1/model.py) and TensorRT-LLM's
+# executor's for a prompt past the engine's max_input_len (llmRequest.cpp LlmRequest::validate; a build
+# with --max-input-len below max_seq_len - 1): the client's mistake, a 400. Triton
 # hands a decoupled model's error response back on the stream as text only, without a status code, so
 # these are told apart by their words; anything else the engine answers with stays a 500.
 ENGINE_CLIENT_ERRORS = (
@@ -44,6 +46,7 @@ ENGINE_CLIENT_ERRORS = (
     "request_output_len must be at least 1",
     "exceeds the engine's max_seq_len",
     "outside the vocabulary",
+    "exceeds maximum input length",
 )
 # gRPC / Triton statuses that say the request itself was wrong (Triton: TRITONSERVER_ERROR_INVALID_ARG).
 CLIENT_ERROR_STATUSES = ("INVALID_ARGUMENT", "INVALID_ARG")
@@ -136,19 +139,48 @@ def build_inputs(prompt_ids: list[int], options: SamplingOptions) -> list[grpccl
         inputs.append(scalar("end_id", end_id, np.int32, "INT32"))
     if options.pad_token_id is not None:
         inputs.append(scalar("pad_id", options.pad_token_id, np.int32, "INT32"))
-    if options.top_logprobs:
+    if options.logprobs or options.top_logprobs:
+        # Without it the TensorRT-LLM backend sends no log-probs at all (utils.cc getOutputConfigFromTensors).
+        inputs.append(scalar("return_log_probs", True, np.bool_, "BOOL"))
+    if options.top_logprobs:  # only where the engine offers alternatives (the max_top_logprobs parameter)
         inputs.append(scalar("top_logprobs", options.top_logprobs, np.int32, "INT32"))
     return inputs
 
 
 def requested_outputs(options: SamplingOptions) -> list[str]:
-    """Only what this request needs: the engine builds every output it is asked for, token after token."""
-    outputs = ["output_ids"]
+    """Only what this request needs: the engine builds every output it is asked for, token after token.
+    `sequence_length` always: the TensorRT-LLM backend refuses a request that does not ask for it
+    (model_instance_state.cc: "sequence_length tensor must be present in list of output tensors")."""
+    outputs = ["output_ids", "sequence_length"]
     if options.logprobs or options.top_logprobs:
         outputs.append("output_log_probs")
     if options.top_logprobs:
         outputs += ["output_top_log_prob_ids", "output_top_log_probs"]
     return outputs
+
+
+def _new_tokens(result: grpcclient.InferResult) -> list[int]:
+    """A response's tokens: `output_ids` [1, beams, len] cut at `sequence_length` [1, beams], which is
+    how the TensorRT-LLM backend marks the end of the valid ids (it pads the rest)."""
+    ids = result.as_numpy("output_ids")
+    if ids is None or ids.size == 0:
+        return []
+    tokens = ids.reshape(-1)
+    lengths = result.as_numpy("sequence_length")
+    if lengths is not None and lengths.size:
+        tokens = tokens[: max(0, int(lengths.reshape(-1)[0]))]
+    return tokens.tolist()
+
+
+def _new_log_probs(result: grpcclient.InferResult, count: int) -> list[float] | None:
+    """The log-probs of a response's `count` new tokens: the last `count` entries of `output_log_probs`.
+    A streaming TensorRT-LLM response carries the log-probs of every token generated so far, not only of
+    its new ones (the executor's LlmRequest::createResult returns them all each step)."""
+    values = result.as_numpy("output_log_probs")
+    if values is None:
+        return None
+    values = values.reshape(-1)
+    return values[len(values) - count:].tolist() if len(values) >= count else None
 
 
 def _top_alternatives(result: grpcclient.InferResult, count: int) -> list[list[tuple[int, float]]] | None:
@@ -204,9 +236,11 @@ class TritonEngine:
         except OpenAIError:
             tokenizer_dir = None
         max_seq_len = engine.get("max_seq_len", "")
+        max_top_logprobs = engine.get("max_top_logprobs", "")
         return EngineMetadata(served_model_name=engine.get("served_model_name") or None,
                               tokenizer_dir=Path(tokenizer_dir) if tokenizer_dir else None,
-                              context_length=int(max_seq_len) if max_seq_len.isdigit() else None)
+                              context_length=int(max_seq_len) if max_seq_len.isdigit() else None,
+                              max_top_logprobs=int(max_top_logprobs) if max_top_logprobs.isdigit() else 0)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
         options = request.options
@@ -229,12 +263,10 @@ class TritonEngine:
             async for result, error in call:
                 if error is not None:
                     raise error_for(error, self.engine_model)
-                ids = result.as_numpy("output_ids")
-                if ids is None or ids.size == 0:
+                token_ids = _new_tokens(result)
+                if not token_ids:
                     continue
-                token_ids = ids.reshape(-1).tolist()
-                logprobs = result.as_numpy("output_log_probs")
-                yield TokenChunk(token_ids, logprobs.reshape(-1).tolist() if logprobs is not None else None,
+                yield TokenChunk(token_ids, _new_log_probs(result, len(token_ids)),
                                  _top_alternatives(result, len(token_ids)))
             finished = True
         except OpenAIError:

@@ -27,6 +27,7 @@ from launcher.ports import find_free_port
 from launcher.tritonserver import TritonServer
 from tests.integration.engine_knobs import add_knob_model
 from tests.integration.scripted_model import ScriptedModel, add_scripted_model
+from tests.trtllm_contract.double import add_contract_double
 
 
 # Test copies of the engine model (same weights), each with what a test needs (engine_knobs.py); a step
@@ -41,6 +42,12 @@ KNOB_MODELS: dict[str, dict[str, float]] = {
     HELD_MODEL: {"test_hold_first_response_s": 60, "test_step_delay_s": 0.05},
     FAULTY_MODEL: {"test_fail_seed": FAIL_SEED, "test_step_delay_s": 0.02},
 }
+
+# The TensorRT-LLM contract double (tests/trtllm_contract): the TensorRT-LLM template rendered with the
+# TensorRT-LLM values, on the CPU engine, refusing what the real C++ backend refuses. A step delay, as in
+# the knob models, so that a stream outlives its client's departure on any machine.
+CONTRACT_MODEL = "tensorrt_llm_contract"
+CONTRACT_STEP_DELAY_S = 0.02
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,6 +119,7 @@ def stack(built_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     for name, knobs in KNOB_MODELS.items():
         add_knob_model(repository, name, **knobs)
     set_parameter(repository / SLOW_MODEL, "cpu_max_queue_size", str(SLOW_MODEL_QUEUE))
+    add_contract_double(repository, CONTRACT_MODEL, built_engine / "engine", test_step_delay_s=CONTRACT_STEP_DELAY_S)
     scripted = add_scripted_model(repository, repository.parent / "scripted")
     http, grpc, metrics, frontend_port = (find_free_port() for _ in range(4))
     triton = TritonServer(repository, http_port=http, grpc_port=grpc,

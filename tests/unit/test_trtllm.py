@@ -146,6 +146,8 @@ def test_trtllm_parameters(repositories: dict[str, Path], llama_checkpoint: Path
     assert params["batch_scheduler_policy"] in ("guaranteed_no_evict", "max_utilization")
     assert 0 < float(params["kv_cache_free_gpu_mem_fraction"]) < 1
     assert params["max_seq_len"] == "1024"
+    assert params["tokenizer_dir"] == str(llama_checkpoint.resolve())
+    assert params["max_top_logprobs"] == "0"  # TensorRT-LLM returns no alternatives
     pre = parse(repositories["trtllm"] / "preprocessing" / "config.pbtxt")
     assert pre.parameters["tokenizer_dir"].string_value == str(llama_checkpoint)
 
@@ -182,7 +184,38 @@ def test_dry_run_llama(tmp_path: Path, llama_checkpoint: Path, capsys: pytest.Ca
             "--max_num_tokens", "8192", "--max_beam_width", "1", "--workers", "1",
         ],
     ]
-    assert not out.exists()  # a dry run writes nothing
+    # A dry run builds nothing; it renders the repository the build would serve, and nothing else.
+    assert sorted(p.name for p in out.iterdir()) == ["model_repository"]
+
+
+def test_dry_run_renders_the_repository_it_would_serve(
+    tmp_path: Path, llama_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "build"
+    dry_run(capsys, "--model", str(llama_checkpoint), "--output-dir", str(out), "--max-seq-len", "512")
+    engine = parse(out / "model_repository" / "tensorrt_llm" / "config.pbtxt")
+    assert engine.backend == "tensorrtllm"
+    parameters = {key: value.string_value for key, value in engine.parameters.items()}
+    assert parameters["gpt_model_path"] == str((out / "engine").resolve())
+    assert parameters["tokenizer_dir"] == str(llama_checkpoint.resolve())
+    assert parameters["xgrammar_tokenizer_info_path"] == str((out / "engine" / "xgrammar_tokenizer_info.json").resolve())
+    assert parameters["guided_decoding_backend"] == ""  # off until the structured-output work turns it on
+    assert (parameters["max_seq_len"], parameters["max_top_logprobs"]) == ("512", "0")
+    assert {p.parent.name for p in (out / "model_repository").glob("*/config.pbtxt")} == {
+        "ensemble", "preprocessing", "postprocessing", "tensorrt_llm"}
+
+
+def test_dry_run_never_overwrites_a_built_engine(
+    tmp_path: Path, llama_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "build"
+    (out / "engine").mkdir(parents=True)
+    (out / "engine" / "engine_config.json").write_text("{}")
+    (out / "model_repository").mkdir()
+    args = ["--backend", "trtllm", "--dry-run", "--model", str(llama_checkpoint), "--output-dir", str(out)]
+    assert build_main(args) == 2
+    assert "already holds a built engine" in capsys.readouterr().err
+    assert not any((out / "model_repository").iterdir())
 
 
 def test_dry_run_qwen2_with_options(
@@ -284,6 +317,9 @@ def test_build_records_version_flags_and_hash(
     assert engine.backend == "tensorrtllm"
     assert engine.parameters["gpt_model_path"].string_value == str(result.engine_dir)
     assert engine.parameters["max_seq_len"].string_value == "1024"
+    tokenizer_info = Path(engine.parameters["xgrammar_tokenizer_info_path"].string_value)
+    assert tokenizer_info == result.engine_dir / "xgrammar_tokenizer_info.json"
+    assert json.loads(tokenizer_info.read_text())  # written after the build (which clears the engine folder)
     # The launcher's check accepts it; --if-missing reuses it only while the same version is installed.
     assert check_model_repository(result.repository_dir, installed_version=VERSION)["backend"] == "trtllm"
     explicit = BuildRequest(output_dir=tmp_path / "build", backend="trtllm", model=llama_checkpoint)
@@ -388,3 +424,20 @@ def test_image_pin_is_stated_once() -> None:
     files = [*sorted((REPO_ROOT / "docker").iterdir()), REPO_ROOT / "Makefile"]
     holders = [path.name for path in files if path.is_file() and pin in path.read_text()]
     assert holders == ["Dockerfile.trtllm"]
+
+
+def test_a_tokenizer_guided_decoding_cannot_use_leaves_the_path_empty(
+    tmp_path: Path, llama_checkpoint: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from build_engine import pipeline
+    from build_engine.xgrammar_info import XgrammarInfoError
+
+    def refuse(checkpoint_dir: Path) -> dict[str, Any]:
+        raise XgrammarInfoError("the tokenizer has no eos token")
+
+    monkeypatch.setattr(pipeline, "tokenizer_info", refuse)
+    out = tmp_path / "build"
+    assert build_main(["--backend", "trtllm", "--dry-run", "--model", str(llama_checkpoint), "--output-dir", str(out)]) == 0
+    assert "guided decoding will not be available" in capsys.readouterr().err
+    engine = parse(out / "model_repository" / "tensorrt_llm" / "config.pbtxt")
+    assert engine.parameters["xgrammar_tokenizer_info_path"].string_value == ""

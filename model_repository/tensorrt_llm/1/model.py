@@ -236,6 +236,7 @@ class TritonPythonModel:
                 "the CPU engine model must be decoupled (model_transaction_policy { decoupled: true })")
         engine_dir = Path(_param(config, "gpt_model_path", ""))
         self.exclude_input_default = _param(config, "exclude_input_in_output", "false").lower() == "true"
+        self.max_top_logprobs = int(_param(config, "max_top_logprobs", "20") or 0)
         engine_config = EngineConfig.from_engine_dir(
             engine_dir, num_threads=int(_param(config, "cpu_num_threads", "0") or 0),
             max_num_tokens=int(_param(config, "max_num_tokens", "0") or 0),
@@ -306,7 +307,7 @@ class TritonPythonModel:
         streaming = bool(_scalar(request, "streaming", False))
         exclude = bool(_scalar(request, "exclude_input_in_output", self.exclude_input_default))
         end_id = _scalar(request, "end_id")
-        top_logprobs = max(0, min(int(_scalar(request, "top_logprobs", 0)), 20))
+        top_logprobs = max(0, min(int(_scalar(request, "top_logprobs", 0)), self.max_top_logprobs))
         seed = _scalar(request, "seed")
         sampling = SamplingParams(
             temperature=float(_scalar(request, "temperature", 1.0)),
@@ -324,12 +325,17 @@ class TritonPythonModel:
             request_id=request_id,
             prompt=prompt,
             max_new_tokens=int(output_len),
-            sink=TritonSink(sender, self.channel, streaming, prompt, exclude, top_logprobs,
-                            frozenset(request.requested_output_names())),
+            sink=self._make_sink(sender, streaming, prompt, exclude, top_logprobs,
+                                 frozenset(request.requested_output_names())),
             sampling=sampling,
             end_id=None if end_id is None else int(end_id),
             stop_words=_word_list(request, "stop_words_list"),
         ))
+
+    def _make_sink(self, sender, streaming: bool, prompt: list[int], exclude_input: bool, top_logprobs: int,
+                   outputs: frozenset[str]) -> TritonSink:
+        """One request's responses (a subclass may shape them otherwise: tests/trtllm_contract/double.py)."""
+        return TritonSink(sender, self.channel, streaming, prompt, exclude_input, top_logprobs, outputs)
 
     def finalize(self):
         self.engine.stop()

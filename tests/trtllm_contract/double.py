@@ -1,0 +1,321 @@
+"""The TensorRT-LLM contract double: the production CPU engine model (model_repository/tensorrt_llm/1/model.py,
+imported by file path) behind the rules of TensorRT-LLM's C++ backend (rules.py).
+
+`add_contract_double(repository, "tensorrt_llm_contract", engine_dir)` (before tritonserver starts) renders
+the production template with the TensorRT-LLM values (values/trtllm.json + the build's values), swaps
+`backend: "tensorrtllm"` for `backend: "python"` and sets the model name: nothing else of the config
+changes, so a template the real backend would refuse makes the double refuse to load, with upstream's
+message. The only optional addition is the test knob `test_step_delay_s` (as in engine_knobs.py: the engine
+thread sleeps that long after every step), appended as a parameter upstream ignores.
+
+What the model does (each rule and its upstream source: rules.py):
+- initialize: rules.check_model_config() (upstream's load errors, the first as upstream's load error text)
+  and rules.check_interface() (the template's tensors as upstream declares them) before anything else;
+  then the production model loads.
+- execute: a `stop` request is answered as upstream answers it (an error without a request id; else the
+  request with that id is cancelled and the stop request gets an empty FINAL response). Any other request
+  is checked (rules.request_violation()); what upstream refuses at enqueue gets upstream's error at once;
+  the rest goes to the production `_enqueue`, with a response sink that shapes responses as upstream does
+  (rules.ResponseShaper), refuses a request that did not ask for output_ids / sequence_length in place of
+  its first response, reports engine errors in the executor's words, and ends a cancelled request (client
+  gone, or stop) with a plain FINAL response.
+- the engine: request_output_len clamped to max_seq_len - prompt (upstream clamps; the CPU engine would
+  refuse), end_id and prompt length validated as the executor does, cancellation polled every
+  cancellation_check_period_ms (default 100).
+
+The production model builds each request's response sink through its `_make_sink` hook, which the
+double overrides; it also wraps its engine's `submit` (the executor's checks) and sets how often the engine
+polls Triton's cancellations (`Engine.cancel_poll_s`).
+
+This module is imported in two places: by the test process (add_contract_double; no Triton there) and inside
+the Python-backend stub (TritonPythonModel, built on first access as in engine_knobs.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import re
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PRODUCTION_MODEL = REPO_ROOT / "model_repository" / "tensorrt_llm" / "1" / "model.py"
+ENGINE_MODEL = "tensorrt_llm"
+KNOB_TYPES: dict[str, type] = {"test_step_delay_s": float}
+_BACKEND_LINE = re.compile(r'^backend:\s*"tensorrtllm"\s*$', re.MULTILINE)
+_NAME_LINE = re.compile(r'^name:\s*"[^"]*"\s*$', re.MULTILINE)
+
+
+def _load_by_path(name: str, path: Path) -> ModuleType:
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+if __package__:
+    from . import rules
+else:  # loaded by file path inside the Triton stub, where tests/ is no package
+    rules = _load_by_path("trtllm_contract_rules", Path(__file__).resolve().with_name("rules.py"))
+
+
+# ----- the test side: adding the double to a model repository ---------------------------------------------
+def add_contract_double(repository: Path, name: str, engine_dir: Path,
+                        template_dir: Path = REPO_ROOT / "model_repository", **knobs: float) -> None:
+    """Write `repository/<name>`: the production template rendered with the TensorRT-LLM values for the
+    CPU engine build in `engine_dir` (its engine_config.json), as a Python model running this file's
+    TritonPythonModel. Raises ValueError for a name that is not a plain model name or is taken, an
+    unknown knob, or a rendered config that does not hold exactly one `backend: "tensorrtllm"` line."""
+    from build_engine.render import render_repository  # test process only: no build_engine in the stub
+    from build_engine.values import repository_values
+
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or name == ENGINE_MODEL:
+        raise ValueError(f"not a usable model name for the contract double: {name!r}")
+    target = Path(repository) / name
+    if target.exists():
+        raise ValueError(f"{target} already exists")
+    engine_dir = Path(engine_dir)
+    engine_config = json.loads((engine_dir / "engine_config.json").read_text())
+    values = repository_values(Path(template_dir), "trtllm", engine_config, engine_dir)
+    with tempfile.TemporaryDirectory(prefix="trtllm_contract_") as scratch:
+        rendered = Path(scratch) / "model_repository"
+        render_repository(Path(template_dir), values, rendered)
+        text = (rendered / ENGINE_MODEL / "config.pbtxt").read_text()
+    config = contract_config(text, name, knobs)
+    (target / "1").mkdir(parents=True)
+    (target / "config.pbtxt").write_text(config)
+    (target / "1" / "model.py").write_text(_loader_source(name))
+
+
+def contract_config(rendered: str, name: str, knobs: dict[str, float] | None = None) -> str:
+    """The rendered TensorRT-LLM config with exactly two changes: the backend line and the model name (plus
+    the knobs, appended as parameters, if any)."""
+    knobs = dict(knobs or {})
+    unknown = sorted(set(knobs) - set(KNOB_TYPES))
+    if unknown:
+        raise ValueError(f"unknown knob(s) {unknown}; known: {sorted(KNOB_TYPES)}")
+    backends = _BACKEND_LINE.findall(rendered)
+    if len(backends) != 1:
+        raise ValueError(f'expected exactly one line `backend: "tensorrtllm"` in the rendered TensorRT-LLM '
+                         f"config, found {len(backends)}: the template or values/trtllm.json changed")
+    if len(_NAME_LINE.findall(rendered)) != 1:
+        raise ValueError("expected exactly one top-level name line in the rendered TensorRT-LLM config")
+    text = _BACKEND_LINE.sub('backend: "python"', rendered)
+    text = _NAME_LINE.sub(f'name: "{name}"', text)
+    if knobs:
+        parameters = "".join(
+            f'parameters: {{\n  key: "{key}"\n  value: {{ string_value: "{KNOB_TYPES[key](value)}" }}\n}}\n'
+            for key, value in knobs.items())
+        comment = "# Test knobs (tests/trtllm_contract/double.py); TensorRT-LLM ignores them."
+        text = f"{text.rstrip()}\n{comment}\n{parameters}"
+    return text
+
+
+def _loader_source(name: str) -> str:
+    """The double's model.py: loads this file by path (tests/ is not an installed package)."""
+    return (f'"""Test-only model {name!r}: the TensorRT-LLM contract double (generated by '
+            f'tests/trtllm_contract/double.py)."""\n'
+            "import importlib.util\n"
+            "import sys\n\n"
+            f"_spec = importlib.util.spec_from_file_location('trtllm_contract_double', "
+            f"{str(Path(__file__).resolve())!r})\n"
+            "_module = importlib.util.module_from_spec(_spec)\n"
+            "sys.modules['trtllm_contract_double'] = _module\n"
+            "_spec.loader.exec_module(_module)\n"
+            "TritonPythonModel = _module.TritonPythonModel\n")
+
+
+# ----- the Triton side ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Pending:
+    """What the double learnt of the request the production `_enqueue` is turning into an engine request."""
+    triton_id: str
+    return_log_probs: bool
+    response_error: str | None  # upstream's error in place of the first response
+
+
+def _build_model_class() -> type:
+    production = _load_by_path("trtllm_contract_production_model", PRODUCTION_MODEL)
+    pb_utils = production.pb_utils
+    from cpu_engine.scheduler import STOPPED_BY_ID, FinishReason, RequestError
+
+    FINAL = production.FINAL
+    ProductionSink = production.TritonSink
+
+    class ContractSink(ProductionSink):
+        """One request's responses as upstream shapes them (rules.ResponseShaper). Runs on the engine thread."""
+
+        def __init__(self, model, pending: _Pending, sender, channel, streaming, prompt, exclude_input,
+                     top_logprobs, outputs):
+            super().__init__(sender, channel, streaming, prompt, exclude_input, top_logprobs, outputs)
+            self.model = model
+            self.triton_id = pending.triton_id
+            self.response_error = pending.response_error
+            self.shaper = rules.ResponseShaper(prompt, streaming, exclude_input, outputs, pending.return_log_probs)
+            self.request = None  # the engine request, set by the double's submit
+            self.executor_id = 0
+            self.done = False
+
+        def send(self, tokens, finish) -> None:
+            if self.done:
+                return
+            arrays = self.shaper.step([t.token for t in tokens], [float(t.logprob) for t in tokens],
+                                      finished=finish is not None)
+            if arrays is None:
+                return
+            if self.response_error is not None:
+                # model_instance_state.cc fillTritonResponse(): this response becomes the FINAL error. The
+                # executor would go on generating for nobody; the double frees the engine instead.
+                self._end(pb_utils.InferenceResponse(error=pb_utils.TritonError(self.response_error)))
+                if finish is None and self.request is not None:
+                    self.model.engine.cancel(self.request)
+                return
+            response = pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, array) for name, array in arrays.items()])
+            if finish is None:
+                self.channel.send(self.sender, response, 0)
+            else:
+                self._end(response)
+
+        def send_error(self, message: str) -> None:
+            if self.done:
+                return
+            if message == STOPPED_BY_ID:  # upstream ends a stopped request like any other, without an error
+                self.send([], FinishReason.CANCELLED)
+                return
+            # model_instance_state.cc fillTritonResponse(): an executor response with an error.
+            text = rules.EXECUTOR_ERROR.format(request_id=self.executor_id, message=message)
+            self._end(pb_utils.InferenceResponse(error=pb_utils.TritonError(text)))
+
+        def _end(self, response) -> None:
+            self.done = True
+            self.channel.send(self.sender, response, FINAL)
+            self.model._forget(self)
+
+    class TritonPythonModel(production.TritonPythonModel):
+        """The production CPU engine model behind the rules of TensorRT-LLM's C++ backend."""
+
+        def initialize(self, args):
+            config = json.loads(args["model_config"])
+            errors = rules.check_model_config(config)
+            interface = rules.check_interface(config)
+            if errors or interface:
+                message = rules.load_error(errors) if errors else interface[0]
+                also = errors[1:] + interface if errors else interface[1:]
+                if also:
+                    message += " [the contract double also found: " + "; ".join(also) + "]"
+                raise pb_utils.TritonModelException(message)
+            for warning in rules.defaulted_parameter_warnings(config):
+                pb_utils.Logger.log_warn(f"{args['model_name']}: {warning}")
+            parameters = config.get("parameters", {})
+            self.step_delay_s = float(parameters.get("test_step_delay_s", {}).get("string_value") or 0.0)
+            self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+            self._lock = threading.Lock()  # _latest: execute() and the engine thread
+            self._latest: dict[str, ContractSink] = {}  # Triton request id -> its latest request (upstream's map)
+            self._executor_ids = itertools.count(1)
+            self._pending: _Pending | None = None
+            engine_dir = Path(rules.get_parameter(config, "gpt_model_path"))
+            engine_config = json.loads((engine_dir / "engine_config.json").read_text())
+            pb_utils.Logger.log_warn(f"{args['model_name']}: TEST MODEL, the TensorRT-LLM contract double")
+            super().initialize(args)
+
+            # model_instance_state.cc WaitForCancel(): Triton's cancellation is polled every this many ms.
+            self.engine.cancel_poll_s = rules.cancellation_check_period_s(config)
+            runner = self.engine.scheduler.runner
+            self.max_seq_len, self.vocab_size = runner.max_seq_len, runner.vocab_size
+            # A TensorRT-LLM build here takes max_input_len = max_seq_len - 1 unless told (build_engine).
+            self.max_input_len = int(engine_config.get("max_input_len") or self.max_seq_len - 1)
+            self._production_submit = self.engine.submit
+            self.engine.submit = self._submit
+
+        def _make_sink(self, sender, streaming, prompt, exclude_input, top_logprobs, outputs):
+            if self._pending is None:
+                raise RuntimeError("contract double: a response sink was built outside execute()")
+            return ContractSink(self, self._pending, sender, self.channel, streaming, prompt, exclude_input,
+                                top_logprobs, outputs)
+
+        def execute(self, requests):
+            for request in requests:
+                sender = request.get_response_sender()
+                try:
+                    self._enqueue(request, sender)
+                except (RequestError, ValueError) as exc:
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
+                except Exception as exc:  # the double broke, not the request: say so
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        f"contract double: internal error: {type(exc).__name__}: {exc}")), flags=FINAL)
+            return None
+
+        def _enqueue(self, request, sender) -> None:
+            triton_id = request.request_id() or ""
+            inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+            if rules.is_stop_request(inputs):  # model_instance_state.cc handleStopRequest()
+                error = rules.stop_request_error(triton_id)
+                if error:
+                    raise RequestError(error)
+                with self._lock:
+                    target = self._latest.get(triton_id)
+                if target is not None and target.request is not None:
+                    self.engine.cancel(target.request)  # ends with a plain FINAL response
+                sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+                return
+            violation = rules.request_violation(inputs, request.requested_output_names(), self.decoupled)
+            if violation is not None and violation.when == rules.ENQUEUE_TIME:
+                raise RequestError(violation.message)
+            self._pending = _Pending(triton_id, rules.first_flag(inputs, "return_log_probs"),
+                                     violation.message if violation is not None else None)
+            try:
+                super()._enqueue(request, sender)
+            finally:
+                self._pending = None
+
+        def _submit(self, request) -> None:
+            """The engine's submit, as the executor takes a request (runs inside the production _enqueue)."""
+            sink = request.sink
+            if not isinstance(sink, ContractSink):
+                raise RuntimeError("contract double: the production _enqueue no longer builds its response sink "
+                                   "through _make_sink; the double cannot shape responses")
+            sink.executor_id = next(self._executor_ids)
+            error = rules.executor_violation(len(request.prompt), request.end_id, self.max_input_len,
+                                             self.vocab_size)
+            if error:
+                raise RequestError(rules.EXECUTOR_ERROR.format(request_id=sink.executor_id, message=error))
+            request.max_new_tokens = rules.clamped_output_len(len(request.prompt), request.max_new_tokens,
+                                                              self.max_seq_len)
+            sink.request = request
+            self._production_submit(request)
+            if sink.triton_id:  # model_instance_state.cc enqueue(): the latest request with an id wins
+                with self._lock:
+                    if not sink.done:
+                        self._latest[sink.triton_id] = sink
+
+        def _forget(self, sink) -> None:
+            with self._lock:
+                if self._latest.get(sink.triton_id) is sink:
+                    del self._latest[sink.triton_id]
+
+        def _after_step(self) -> None:
+            super()._after_step()
+            if self.step_delay_s > 0:
+                time.sleep(self.step_delay_s)
+
+    return TritonPythonModel
+
+
+def __getattr__(name: str) -> Any:
+    """Build TritonPythonModel on first access (PEP 562): only inside the Triton stub is pb_utils there."""
+    if name == "TritonPythonModel":
+        model_class = _build_model_class()
+        globals()[name] = model_class
+        return model_class
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

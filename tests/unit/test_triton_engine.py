@@ -1,0 +1,61 @@
+"""What the frontend asks of the engine model: the TensorRT-LLM backend's rules for a request, checked on
+the tensors `TritonEngine` builds (the contract double, tests/trtllm_contract, checks them end to end)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from frontend.engine import SamplingOptions
+from frontend.triton_engine import _new_log_probs, _new_tokens, build_inputs, requested_outputs
+
+
+def input_names(options: SamplingOptions) -> set[str]:
+    return {tensor.name() for tensor in build_inputs([1, 2, 3], options)}
+
+
+@pytest.mark.parametrize("options", [SamplingOptions(max_tokens=4), SamplingOptions(max_tokens=4, logprobs=True),
+                                     SamplingOptions(max_tokens=4, logprobs=True, top_logprobs=2)])
+def test_sequence_length_is_always_requested(options: SamplingOptions) -> None:
+    assert {"output_ids", "sequence_length"} <= set(requested_outputs(options))
+
+
+def test_log_probs_are_asked_for_with_return_log_probs_only_when_wanted() -> None:
+    plain = SamplingOptions(max_tokens=4)
+    assert "return_log_probs" not in input_names(plain)
+    assert "output_log_probs" not in requested_outputs(plain)
+    sampled = SamplingOptions(max_tokens=4, logprobs=True)
+    assert "return_log_probs" in input_names(sampled) and "top_logprobs" not in input_names(sampled)
+    assert "output_log_probs" in requested_outputs(sampled)
+    assert not {"output_top_log_prob_ids", "output_top_log_probs"} & set(requested_outputs(sampled))
+    alternatives = SamplingOptions(max_tokens=4, logprobs=True, top_logprobs=3)
+    assert {"return_log_probs", "top_logprobs"} <= input_names(alternatives)
+
+
+class Result:
+    def __init__(self, **arrays: np.ndarray):
+        self.arrays = arrays
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        return self.arrays.get(name)
+
+
+def test_new_tokens_end_at_sequence_length() -> None:
+    padded = np.array([[[5, 6, -1, -1]]], dtype=np.int32)  # [1, beams, len], padded past the valid ids
+    assert _new_tokens(Result(output_ids=padded, sequence_length=np.array([[2]], dtype=np.int32))) == [5, 6]
+    assert _new_tokens(Result(output_ids=np.array([[[7]]], dtype=np.int32))) == [7]  # no length: all of it
+    assert _new_tokens(Result(output_ids=np.zeros((1, 1, 0), dtype=np.int32),
+                              sequence_length=np.array([[0]], dtype=np.int32))) == []
+    assert _new_tokens(Result()) == []
+
+
+def test_new_log_probs_are_the_last_ones_of_a_growing_list() -> None:
+    """TensorRT-LLM streams every generated token's log-prob so far with each response; the CPU engine
+    only the new ones: either way the new tokens' are the last."""
+    growing = Result(output_ids=np.array([[[9]]], dtype=np.int32), sequence_length=np.array([[1]], dtype=np.int32),
+                     output_log_probs=np.array([[[-0.5, -1.5, -2.5]]], dtype=np.float32))
+    assert _new_log_probs(growing, 1) == [-2.5]
+    only_new = Result(output_log_probs=np.array([[[-0.25, -0.75]]], dtype=np.float32))
+    assert _new_log_probs(only_new, 2) == [-0.25, -0.75]
+    assert _new_log_probs(Result(), 1) is None
+    assert _new_log_probs(Result(output_log_probs=np.zeros((1, 1, 0), dtype=np.float32)), 1) is None
