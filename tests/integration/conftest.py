@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import openai
@@ -85,6 +85,16 @@ async def read_stream(client: httpx.AsyncClient, url: str, body: dict, started: 
                 if len(payloads) >= started_after:
                     started.set()
     return payloads, time.monotonic()
+
+
+def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
+    """Poll `condition` every 20 ms until it holds (True) or `within_s` has passed (False)."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def set_parameter(model_dir: Path, key: str, value: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import httpx
 import openai
@@ -20,18 +20,9 @@ import pytest
 
 from launcher.ports import find_free_port
 from tests.integration.conftest import (FAIL_SEED, FAULTY_MODEL, HELD_MODEL, SLOW_MODEL, SLOW_MODEL_QUEUE, Stack,
-                                        start_frontend, stop_process, wait_http_ok)
+                                        start_frontend, stop_process, wait_http_ok, wait_until)
 
 pytestmark = pytest.mark.integration
-
-
-def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def idle(stack: Stack, model: str) -> bool:

@@ -12,8 +12,7 @@ backend's own message.
 from __future__ import annotations
 
 import json
-import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import httpx
 import numpy as np
@@ -24,7 +23,8 @@ from tritonclient.utils import InferenceServerException
 from frontend.engine import SamplingOptions
 from frontend.triton_engine import build_inputs
 from launcher.ports import find_free_port
-from tests.integration.conftest import CONTRACT_MODEL, Stack, start_frontend, stop_process, wait_http_ok
+from tests.integration.conftest import (CONTRACT_MODEL, Stack, start_frontend, stop_process, wait_http_ok,
+                                        wait_until)
 from tests.trtllm_contract import rules
 
 pytestmark = pytest.mark.integration
@@ -152,15 +152,6 @@ def test_top_logprob_alternatives_are_a_clear_400(stack: Stack, contract_url: st
 
 def engine_metric(stack: Stack, name: str) -> float:
     return stack.engine_metric(name, CONTRACT_MODEL)
-
-
-def wait_until(condition: Callable[[], bool], within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_a_client_that_leaves_cancels_its_engine_request(stack: Stack, contract_url: str) -> None:

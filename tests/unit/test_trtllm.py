@@ -198,7 +198,8 @@ def test_dry_run_renders_the_repository_it_would_serve(
     parameters = {key: value.string_value for key, value in engine.parameters.items()}
     assert parameters["gpt_model_path"] == str((out / "engine").resolve())
     assert parameters["tokenizer_dir"] == str(llama_checkpoint.resolve())
-    assert parameters["xgrammar_tokenizer_info_path"] == str((out / "engine" / "xgrammar_tokenizer_info.json").resolve())
+    tokenizer_info = (out / "engine" / "xgrammar_tokenizer_info.json").resolve()
+    assert parameters["xgrammar_tokenizer_info_path"] == str(tokenizer_info)
     assert parameters["guided_decoding_backend"] == ""  # off until the structured-output work turns it on
     assert (parameters["max_seq_len"], parameters["max_top_logprobs"]) == ("512", "0")
     assert {p.parent.name for p in (out / "model_repository").glob("*/config.pbtxt")} == {
@@ -437,7 +438,8 @@ def test_a_tokenizer_guided_decoding_cannot_use_leaves_the_path_empty(
 
     monkeypatch.setattr(pipeline, "tokenizer_info", refuse)
     out = tmp_path / "build"
-    assert build_main(["--backend", "trtllm", "--dry-run", "--model", str(llama_checkpoint), "--output-dir", str(out)]) == 0
+    args = ["--backend", "trtllm", "--dry-run", "--model", str(llama_checkpoint), "--output-dir", str(out)]
+    assert build_main(args) == 0
     assert "guided decoding will not be available" in capsys.readouterr().err
     engine = parse(out / "model_repository" / "tensorrt_llm" / "config.pbtxt")
     assert engine.parameters["xgrammar_tokenizer_info_path"].string_value == ""
