@@ -1,4 +1,4 @@
-"""A deterministic, download-free demo checkpoint: byte-level BPE tokenizer + randomly initialised Llama.
+"""A deterministic, download-free demo checkpoint: byte-level BPE tokenizer + randomly initialised Llama (or Qwen2).
 
 The weights are random on purpose: the demo exists to exercise the serving stack (tokenization, batching,
 streaming, detokenization) offline, not to produce sensible text. Every run yields the same bytes for the
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Bump when anything below changes the generated files, so stale demo checkpoints are regenerated.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 STAMP_FILE = "demo_checkpoint_stamp.json"
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -25,9 +25,40 @@ END_OF_TEXT_TOKEN = "<|end_of_text|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = [BOS_TOKEN, IM_START_TOKEN, EOS_TOKEN, END_OF_TEXT_TOKEN, PAD_TOKEN]
 
+# ChatML turns. With tools, Llama 3.1's JSON tool calling (an answer that is only `{"name": ..., "parameters":
+# {...}}`, calls separated by "; "): the frontend's llama3_json parser reads it.
 CHATML_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou can call these functions. To call one, answer with nothing but "
+    '{"name": <function name>, "parameters": <arguments object>}; separate several calls with "; ".\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}{% if not loop.first %}; {% endif %}"
+    '{"name": "{{ call.function.name }}", "parameters": {{ call.function.arguments | tojson }}}{% endfor %}'
+    "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen2.5's ChatML with Hermes-style tool calling (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+# results in `<tool_response>`): the frontend's hermes parser reads it.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n"
+    "{% endif %}# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\nFor each function call, return "
+    "a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{% if message.content %}{{ message.content }}\n{% endif %}"
+    "{% for call in message.tool_calls %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{% if not loop.last %}\n{% endif %}{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -54,6 +85,7 @@ class Preset:
     num_attention_heads: int
     num_key_value_heads: int
     max_position_embeddings: int
+    family: str = "llama"  # llama: LlamaForCausalLM, ChatML; qwen2: Qwen2ForCausalLM, Hermes tool calling
 
 
 PRESETS: dict[str, Preset] = {
@@ -61,7 +93,10 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(128, 384, 4, 4, 2, 1024),
     # About 80M parameters: large enough that batching matters in benchmarks.
     "small": Preset(768, 2048, 12, 12, 4, 2048),
+    # The tiny shape as Qwen2 (q/k/v biases) with Qwen2.5's Hermes-style tool calling in its template.
+    "qwen-tiny": Preset(128, 384, 4, 4, 2, 1024, family="qwen2"),
 }
+TEMPLATES = {"llama": CHATML_TEMPLATE, "qwen2": HERMES_TEMPLATE}
 
 
 def demo_checkpoint_dir(output_dir: Path, preset: str) -> Path:
@@ -91,7 +126,7 @@ def ensure_demo_checkpoint(output_dir: Path, preset: str) -> Path:
 def write_demo_checkpoint(directory: Path, preset: str) -> None:
     """Generate tokenizer and model for ``preset`` into ``directory`` (created), stamp written last."""
     directory.mkdir(parents=True, exist_ok=False)
-    tokenizer = _train_tokenizer(PRESETS[preset].max_position_embeddings)
+    tokenizer = _train_tokenizer(PRESETS[preset].max_position_embeddings, TEMPLATES[PRESETS[preset].family])
     tokenizer.save_pretrained(directory)
     _save_model(directory, PRESETS[preset], tokenizer)
     stamp = {"preset": preset, "generator_version": GENERATOR_VERSION}
@@ -123,7 +158,7 @@ def stdlib_training_text(limit_bytes: int = TRAINING_TEXT_BYTES) -> list[str]:
     return texts
 
 
-def _train_tokenizer(model_max_length: int):  # -> PreTrainedTokenizerFast (lazy import: heavy)
+def _train_tokenizer(model_max_length: int, chat_template: str):  # -> PreTrainedTokenizerFast (lazy import)
     """Byte-level BPE, so any Unicode (CJK, emoji) encodes and decodes back exactly.
 
     ``model_max_length`` is recorded so tokenizer users see the model's real context length.
@@ -148,21 +183,23 @@ def _train_tokenizer(model_max_length: int):  # -> PreTrainedTokenizerFast (lazy
         pad_token=PAD_TOKEN,
         model_max_length=model_max_length,
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
 def _save_model(directory: Path, preset: Preset, tokenizer) -> None:
-    """Random float32 Llama weights from a fixed seed, with the tokenizer's special ids wired in."""
+    """Random float32 weights (Llama or Qwen2) from a fixed seed, with the tokenizer's special ids wired in."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as transformers_logging
 
     bos_id = tokenizer.convert_tokens_to_ids(BOS_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     end_of_text_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    config = LlamaConfig(
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[preset.family]
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size,
@@ -177,7 +214,7 @@ def _save_model(directory: Path, preset: Preset, tokenizer) -> None:
         dtype="float32",
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     # Generation stops at the end of a chat turn or the end of a document.
     model.generation_config = GenerationConfig(
         bos_token_id=bos_id, eos_token_id=[eos_id, end_of_text_id], pad_token_id=pad_id

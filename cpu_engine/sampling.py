@@ -9,8 +9,12 @@ and Hugging Face (repetition, over prompt and generated tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from cpu_engine.guided import GuidedRows
 
 NEG_INF = float("-inf")
 
@@ -71,16 +75,25 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow], guided: GuidedRows | None = None) -> list[SampledToken]:
     """Pick one token per row of `logits` [B, vocab], with its log-probability (and alternatives).
+
+    `guided` (guided decoding, cpu_engine.guided) holds the token bitmasks of the guided rows: before
+    anything else the logits of the tokens their grammars do not allow are set to -inf, in place (xgrammar's
+    CPU kernel, on those rows only; None for a batch without guided rows, which then costs nothing).
 
     The whole batch is processed at once: penalties and bans touch only the rows that have them, then
     one argmax serves the greedy rows and one sort/softmax/cumsum the sampled rows (top-k and top-p as
     per-row masks over the sorted logits); each sampled row draws with its own generator through the
     exponential race (argmax p / E, E ~ Exp(1)), which samples exactly from p and keeps seeded requests
     reproducible whatever else is in the batch. Log-probabilities are under the model's own
-    distribution (before penalties, temperature and filtering), which is what OpenAI's `logprobs` report.
+    distribution (before penalties, temperature and filtering), which is what OpenAI's `logprobs` report;
+    for a guided row that is the distribution after its grammar mask, the one the token was actually drawn
+    from: the model's probabilities renormalised over the tokens the grammar allows (a forbidden token never
+    appears among the top alternatives).
     """
+    if guided is not None:
+        guided.apply(logits)
     logprobs = torch.log_softmax(logits, dim=-1)
     adjusted = [i for i, row in enumerate(rows) if row.banned or row.params.has_penalties]
     if adjusted:
@@ -99,7 +112,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         top: list[tuple[int, float]] = []
         if row.params.top_logprobs > 0:
             values, ids = torch.topk(logprobs[i], row.params.top_logprobs)
-            top = list(zip(ids.tolist(), values.tolist()))
+            top = [(t, v) for t, v in zip(ids.tolist(), values.tolist()) if v != NEG_INF]  # masked: fewer
         results.append(SampledToken(token, chosen[i], top))
     return results
 

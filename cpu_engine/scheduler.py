@@ -13,6 +13,12 @@ Cancellation comes in two kinds, because request ids are labels chosen by client
 final response nobody reads), while `cancel_by_id(request_id)` is TensorRT-LLM's `stop` input, sent by
 someone else, and ends every request with that id with an error, so that its client never mistakes the
 early end for a normal one.
+
+Guided decoding (a request with a `guide`, see cpu_engine.guided): the sequence's grammar matcher writes the
+tokens it may take next into its slot's bitmask row when it joins and after every token it accepts; a step
+hands the rows of its guided sequences to the sampler, which masks their logits before sampling. A
+sequence whose grammar can only end there ends at once (END_ID, without another step). Steps without a
+guided sequence do none of this.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from cpu_engine.runner import Chunk
 from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
+
+if TYPE_CHECKING:  # cpu_engine.guided imports xgrammar: only loaded once a guided request arrives
+    from cpu_engine.guided import CompiledGuide, GuideMasks, GuideState
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +48,14 @@ class FinishReason(str, enum.Enum):
     STOP_WORDS = "stop_words"
     LENGTH = "length"
     CANCELLED = "cancelled"
+
+
+class GuideStatus(enum.Enum):
+    """What a guided sequence's grammar allows after its mask is filled (cpu_engine.guided.GuideState.fill)."""
+
+    OPEN = "open"  # more tokens may follow
+    COMPLETE = "complete"  # the grammar can only end here: the sequence ends
+    DEAD = "dead"  # no token is allowed and the grammar cannot end (a grammar the vocabulary cannot finish)
 
 
 class ResponseSink(Protocol):
@@ -63,6 +80,7 @@ class RequestError(ValueError):
 
 
 STOPPED_BY_ID = "the request was cancelled by a stop request"
+NO_ALLOWED_TOKEN = "guided decoding: the grammar allows no token of the vocabulary here and cannot end"
 
 
 @dataclass
@@ -74,6 +92,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     end_id: int | None = None
     stop_words: list[list[int]] = field(default_factory=list)
+    guide: CompiledGuide | None = None  # guided decoding (cpu_engine.guided), compiled before submission
 
 
 @dataclass
@@ -83,6 +102,7 @@ class Sequence:
     generator: torch.Generator | None
     output: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the slot
+    guide: GuideState | None = None  # the grammar matcher of a guided request; its mask row is the slot's
 
     @property
     def tokens(self) -> list[int]:
@@ -220,6 +240,8 @@ class Scheduler:
         # keeps its id from being reused before the mark is consumed at the next step boundary.
         self._cancel_marks: dict[int, tuple[GenerationRequest, str | None]] = {}
         self._seed_source = random.Random()
+        self._guide_masks: GuideMasks | None = None  # one bitmask row per slot, made for the first guided request
+        self._guided = 0  # running guided sequences: steps without any skip the guided path entirely
         self.steps = 0
         self.last_step_tokens = 0
         self.prompt_tokens_total = 0
@@ -272,6 +294,9 @@ class Scheduler:
             raise RequestError(f"input_ids holds token id {bad}, outside the vocabulary [0, {vocab})")
         if request.end_id is not None and not 0 <= request.end_id < vocab:
             request.end_id = None  # an out-of-vocabulary end_id can never be produced
+        if request.guide is not None and request.guide.vocab_size != vocab:
+            raise RequestError(f"the guide was compiled for a vocabulary of {request.guide.vocab_size} tokens, "
+                               f"the model has {vocab}")
 
     def add(self, request: GenerationRequest) -> None:
         """Queue a request; raises RequestError (before it takes anything) if it can never run."""
@@ -349,7 +374,33 @@ class Scheduler:
             if not request.sampling.greedy:
                 generator = torch.Generator().manual_seed(
                     seed if seed is not None else self._seed_source.getrandbits(63))
-            self.running.append(Sequence(request, self.free_slots.pop(0), generator))
+            seq = Sequence(request, self.free_slots.pop(0), generator)
+            self.running.append(seq)
+            if request.guide is not None:
+                self._start_guide(seq)
+
+    def _start_guide(self, seq: Sequence) -> None:
+        """Give a guided sequence its matcher and its first mask; one whose grammar allows nothing but the end
+        ends at once, without a token."""
+        from cpu_engine.guided import GuideMasks
+
+        if self._guide_masks is None:
+            self._guide_masks = GuideMasks(self.runner.num_slots, self.runner.vocab_size)
+        try:
+            seq.guide = seq.request.guide.start(seq.request.end_id)
+            self._guided += 1
+            status = self._guide_masks.start(seq.guide, seq.slot)
+        except Exception as exc:  # xgrammar failing on one request must not stop the others
+            self._fail(seq, f"guided decoding failed: {type(exc).__name__}: {exc}")
+            return
+        if status is GuideStatus.COMPLETE:
+            self._finish([seq], FinishReason.END_ID)
+        elif status is GuideStatus.DEAD:
+            self._fail(seq, NO_ALLOWED_TOKEN)
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        self._release(seq)
+        seq.request.sink.send_error(message)
 
     def _drop_cancelled(self) -> None:
         """Retire the requests marked by cancel()/cancel_by_id(); marks for requests that finished
@@ -374,6 +425,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """Take a sequence out of the batch; its slot goes back to the pool (lowest first)."""
         self.running.remove(seq)
+        if seq.guide is not None:
+            self._guided -= 1
         self.free_slots.append(seq.slot)
         self.free_slots.sort()
 
@@ -425,7 +478,12 @@ class Scheduler:
             for seq, chunk in zip(chunk_seqs, chunks):
                 seq.num_cached += chunk.length
             if sampled:
-                results = sample(logits, [self._sampling_row(s) for s in sampled])
+                guided = None
+                if self._guided:
+                    rows = [i for i, s in enumerate(sampled) if s.guide is not None]
+                    if rows:
+                        guided = self._guide_masks.for_batch(rows, [sampled[i].slot for i in rows])
+                results = sample(logits, [self._sampling_row(s) for s in sampled], guided)
         except Exception as exc:  # a failed step must not take the engine down with it
             for seq in list(self.running):
                 self._release(seq)
@@ -449,10 +507,15 @@ class Scheduler:
         return SamplingRow(request.sampling, seq.generator, request.prompt, seq.output, banned)
 
     def _emit(self, sampled: list[Sequence], results: list[SampledToken]) -> None:
-        for seq, result in zip(sampled, results):
+        guides = self._advance_guides(sampled, results) if self._guided else None
+        for i, (seq, result) in enumerate(zip(sampled, results)):
             request = seq.request
             if result.token == request.end_id:
                 self._finish([seq], FinishReason.END_ID)
+                continue
+            guide = guides.get(i) if guides else None
+            if isinstance(guide, str):  # the grammar refused the token, or xgrammar failed
+                self._fail(seq, guide)
                 continue
             seq.output.append(result.token)
             reason = None
@@ -460,9 +523,41 @@ class Scheduler:
                 reason = FinishReason.STOP_WORDS
             elif len(seq.output) >= request.max_new_tokens:
                 reason = FinishReason.LENGTH
+            elif guide is GuideStatus.COMPLETE:  # the document is complete: it ends here, whatever min_tokens say
+                reason = FinishReason.END_ID
+            elif guide is GuideStatus.DEAD:
+                self._fail(seq, NO_ALLOWED_TOKEN)
+                continue
             if reason is not None:
                 self._release(seq)
             request.sink.send([result], reason)
+
+    def _advance_guides(self, sampled: list[Sequence], results: list[SampledToken]) -> dict[int, GuideStatus | str]:
+        """The matchers of the step's guided sequences take their tokens and fill their masks for the next
+        step, all at once. By position in `sampled`: the GuideStatus after the token, or the error message
+        that ends the request (a token the grammar refuses, xgrammar failing). Sequences that sampled their
+        end token are left out (they end)."""
+        outcome: dict[int, GuideStatus | str] = {}
+        states, slots, positions = [], [], []
+        for i, (seq, result) in enumerate(zip(sampled, results)):
+            if seq.guide is None or result.token == seq.request.end_id:
+                continue
+            try:
+                if not seq.guide.accept(result.token):
+                    outcome[i] = f"guided decoding: the grammar does not allow the sampled token {result.token}"
+                    continue
+            except Exception as exc:
+                outcome[i] = f"guided decoding failed: {type(exc).__name__}: {exc}"
+                continue
+            states.append(seq.guide)
+            slots.append(seq.slot)
+            positions.append(i)
+        if states:
+            try:
+                outcome.update(zip(positions, self._guide_masks.fill(states, slots)))
+            except Exception as exc:
+                outcome.update((i, f"guided decoding failed: {type(exc).__name__}: {exc}") for i in positions)
+        return outcome
 
 
 def send_error_safely(request: GenerationRequest, message: str) -> None:

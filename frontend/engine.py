@@ -14,6 +14,16 @@ from typing import AsyncIterator, Protocol
 
 
 @dataclass(frozen=True)
+class Guide:
+    """Constrained decoding, in TensorRT-LLM's terms (both engines run xgrammar): `type` is json (any JSON),
+    json_schema, regex or ebnf_grammar; `text` the schema (JSON text), regex or grammar."""
+
+    type: str
+    text: str
+    param: str = "response_format"  # the request field it comes from, for the engine's refusals (400)
+
+
+@dataclass(frozen=True)
 class SamplingOptions:
     """One choice's generation settings, in OpenAI's terms (the engine translates them)."""
 
@@ -31,6 +41,7 @@ class SamplingOptions:
     ignore_eos: bool = False  # generate until max_tokens even past the end-of-sequence token
     logprobs: bool = False  # the sampled tokens' log-probabilities
     top_logprobs: int = 0  # and this many most likely alternatives per token
+    guide: Guide | None = None  # the output must follow it (response_format, tool_choice, guided_*)
 
 
 @dataclass(frozen=True)

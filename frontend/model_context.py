@@ -14,6 +14,7 @@ from frontend.engine import LLMEngine
 from frontend.errors import service_unavailable
 from frontend.settings import Settings
 from frontend.tokenizer import Tokenizer
+from frontend.tool_parsers import parser_for_template
 
 log = logging.getLogger("frontend")
 
@@ -24,6 +25,8 @@ class ModelContext:
     context_length: int
     tokenizer: Tokenizer
     max_top_logprobs: int  # most alternatives per token the engine can return (0: none)
+    tool_call_parser: str | None = None  # the family parser for tool_choice auto (frontend/tool_parsers.py)
+    reasoning_parser: str | None = None
 
 
 class ModelContextLoader:
@@ -43,8 +46,8 @@ class ModelContextLoader:
         async with self._lock:
             if self._context is None:
                 self._context = await self._load()
-                log.info("serving %s (context length %d)", self._context.served_model_name,
-                         self._context.context_length)
+                log.info("serving %s (context length %d, tool-call parser %s)", self._context.served_model_name,
+                         self._context.context_length, self._context.tool_call_parser or "none")
         return self._context
 
     async def _load(self) -> ModelContext:
@@ -62,4 +65,6 @@ class ModelContextLoader:
                 "--context-length")
         name = s.served_model_name or asked.served_model_name or tokenizer_dir.name
         tokenizer = await asyncio.to_thread(Tokenizer, tokenizer_dir, s.chat_template)
-        return ModelContext(name, context_length, tokenizer, asked.max_top_logprobs)
+        tool_call_parser = s.tool_call_parser or parser_for_template(tokenizer.chat_template)
+        return ModelContext(name, context_length, tokenizer, asked.max_top_logprobs, tool_call_parser,
+                            s.reasoning_parser)

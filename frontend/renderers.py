@@ -6,13 +6,15 @@ stream has the same `id` and `created`, as OpenAI's do.
 
 from __future__ import annotations
 
+import uuid
 from typing import Protocol
 
 from pydantic import BaseModel
 
 from frontend.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from frontend.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
-                              Completion, CompletionChoice, ResponseMessage, Usage, completion_id, now)
+                              Completion, CompletionChoice, FunctionCallDeltaOut, FunctionCallOut, ResponseMessage,
+                              ToolCallDeltaOut, ToolCallOut, Usage, completion_id, now)
 from frontend.serving import ChoiceResult, TextDelta, UsageCounter
 from frontend.sse import sse_data
 
@@ -29,10 +31,15 @@ class Renderer(Protocol):
     def body(self, results: dict[int, ChoiceResult], usage: UsageCounter) -> BaseModel: ...
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 class ChatRenderer:
     def __init__(self, model: str, indexes: list[int], top_logprobs: int | None, tokens: TokenStrings):
         self.id, self.created, self.model = completion_id("chatcmpl"), now(), model
         self.indexes, self.top_logprobs, self.tokens = indexes, top_logprobs, tokens
+        self.call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> its id, made at its first delta
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
@@ -44,6 +51,9 @@ class ChatRenderer:
             return None
         return chat_logprobs(delta_tokens, self.tokens, self.top_logprobs)
 
+    def _call_id(self, choice: int, call: int) -> str:
+        return self.call_ids.setdefault((choice, call), new_call_id())
+
     def stream_start(self) -> list[bytes]:
         return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
                 for i in self.indexes]
@@ -51,9 +61,15 @@ class ChatRenderer:
     def stream_delta(self, index: int, delta: TextDelta) -> list[bytes]:
         frames = []
         logprobs = self._logprobs(delta.tokens) if delta.tokens else None
-        if delta.text or logprobs:
-            frames.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text),
-                                                       logprobs=logprobs)]))
+        calls = [ToolCallDeltaOut(index=call.index, id=self._call_id(index, call.index) if call.name else None,
+                                  type="function" if call.name else None,
+                                  function=FunctionCallDeltaOut(name=call.name, arguments=call.arguments))
+                 for call in delta.tool_calls]
+        if delta.text or delta.reasoning or calls or logprobs:
+            content = delta.text if delta.text or not (delta.reasoning or calls) else None
+            frames.append(self._chunk([ChatChunkChoice(
+                index=index, logprobs=logprobs,
+                delta=ChatDelta(content=content, reasoning_content=delta.reasoning or None, tool_calls=calls or None))]))
         if delta.finish_reason is not None:
             frames.append(self._chunk([ChatChunkChoice(index=index, delta=ChatDelta(),
                                                        finish_reason=delta.finish_reason)]))
@@ -62,8 +78,14 @@ class ChatRenderer:
     def stream_usage(self, usage: UsageCounter) -> bytes:
         return self._chunk([], Usage(**usage.as_dict()))
 
+    def _message(self, index: int, result: ChoiceResult) -> ResponseMessage:
+        calls = [ToolCallOut(id=self._call_id(index, i), function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                 for i, c in enumerate(result.tool_calls)]
+        return ResponseMessage(content=result.text if result.text or not calls else None, tool_calls=calls or None,
+                               reasoning_content=result.reasoning or None)
+
     def body(self, results: dict[int, ChoiceResult], usage: UsageCounter) -> BaseModel:
-        choices = [ChatChoice(index=i, message=ResponseMessage(content=r.text), finish_reason=r.finish_reason,
+        choices = [ChatChoice(index=i, message=self._message(i, r), finish_reason=r.finish_reason,
                               logprobs=self._logprobs(r.tokens))
                    for i, r in sorted(results.items())]
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices,

@@ -8,17 +8,22 @@ from typing import Any, Callable, TypeVar
 import anyio
 from fastapi import APIRouter, Depends, Request
 
+from frontend.engine import Guide
 from frontend.errors import OpenAIError, invalid_request, service_unavailable
 from frontend.middleware import RequestContext
 from frontend.model_context import ModelContext
 from frontend.renderers import ChatRenderer, CompletionRenderer
 from frontend.responses import GenerationResponse
+from frontend.reasoning import REASONING_PARSERS, prompt_opens_reasoning
 from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, ModelCard,
-                              ModelList, SamplingFields, TokenizeRequest, now)
-from frontend.serving import Generation, GenerationLimits, choice_jobs
+                              ModelList, NamedToolChoice, SamplingFields, TokenizeRequest, now)
+from frontend.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs
+from frontend.structured import chat_guide, extension_guide
+from frontend.tool_parsers import PARSERS, named_parser
 
 router = APIRouter()
 T = TypeVar("T")
+REASONING_PROMPT_TAIL = 16  # prompt tokens whose text says whether the template opened a <think>
 
 
 def request_context(request: Request) -> RequestContext:
@@ -118,6 +123,32 @@ def check_top_logprobs(top_logprobs: int | None, context: ModelContext, param: s
                           f"{param} was {top_logprobs}.", param)
 
 
+def answer_parsing(req: ChatCompletionRequest, context: ModelContext, prompt_ids: list[int]) -> AnswerParsing:
+    """How this request's answers are read: the reasoning parser if the server has one (starting inside
+    the reasoning when the template opened it in the prompt), and the tool-call parser its tool_choice
+    needs (the guided forms for "required" and a named tool, the model family's for "auto")."""
+    reasoning = None
+    if context.reasoning_parser:
+        parser, opened = REASONING_PARSERS[context.reasoning_parser], prompt_opens_reasoning(
+            context.tokenizer.decode(prompt_ids[-REASONING_PROMPT_TAIL:]))
+        reasoning = functools.partial(parser, starts_in_reasoning=opened)
+    choice = req.effective_tool_choice
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        # Guided: the grammar makes the call certain as it comes, so its arguments stream as they arrive.
+        return AnswerParsing(reasoning, lambda: named_parser(name, stream_arguments=True))
+    if choice == "required":
+        return AnswerParsing(reasoning, lambda: PARSERS["required"](stream_arguments=True))
+    if choice == "auto":
+        if context.tool_call_parser is None:
+            raise invalid_request(
+                "tool_choice auto needs to know how this model writes tool calls, and its chat template does "
+                "not say: start the frontend with TOOL_CALL_PARSER (hermes, llama3_json or mistral), or use "
+                "tool_choice required or a named tool", "tool_choice")
+        return AnswerParsing(reasoning, PARSERS[context.tool_call_parser])
+    return AnswerParsing(reasoning)
+
+
 def check_token_ids(ids: list[int], context: ModelContext, param: str) -> None:
     vocab = context.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in ids):
@@ -132,15 +163,16 @@ def limits(request: Request) -> GenerationLimits:
 
 
 async def new_generation(request: Request, req: SamplingFields, context: ModelContext, prompts: list[list[int]],
-                         top_logprobs: int | None, prompt_param: str) -> Generation:
+                         top_logprobs: int | None, prompt_param: str, guide: Guide | None = None,
+                         parsing: AnswerParsing = AnswerParsing()) -> Generation:
     """The serving layer's Generation for this request, after the checks that need no engine (limits,
     context length), the tokens-per-minute reservation (prompt + the most it may generate), and admission
     (one slot per engine request)."""
     limits(request).check_prompts(prompts, prompt_param)
-    jobs = choice_jobs(req, prompts, context.context_length, context.tokenizer, top_logprobs, prompt_param)
+    jobs = choice_jobs(req, prompts, context.context_length, context.tokenizer, top_logprobs, prompt_param, guide)
     ctx = request_context(request)
     generation = Generation(request.app.state.engine, context.tokenizer, jobs, req.stop_strings,
-                            sum(len(p) for p in prompts), ctx)
+                            sum(len(p) for p in prompts), ctx, parsing)
     ctx.reserve_tokens(generation.usage.prompt_tokens + sum(job.request.options.max_tokens for job in jobs))
     ctx.prompt_tokens, ctx.usage = generation.usage.prompt_tokens, generation.usage
     if request.app.state.settings.log_prompts:
@@ -156,11 +188,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Gene
     limits(request).check_stops(req.stop_strings)
     context = await model_context(request, req.model)
     check_top_logprobs(req.num_top_logprobs, context, "top_logprobs")
+    guide = chat_guide(req)
     check_fits_context(messages_text(req.messages), context, "messages")
+    tools = [tool.as_template_input() for tool in req.tools] if req.tools else None
     prompt_ids = await off_loop(request, context.tokenizer.apply_chat_template,
-                                [m.as_template_input() for m in req.messages])
+                                [m.as_template_input() for m in req.messages], tools)
+    parsing = answer_parsing(req, context, prompt_ids)
     top = req.num_top_logprobs if req.logprobs else None
-    generation = await new_generation(request, req, context, [prompt_ids], top, "messages")
+    generation = await new_generation(request, req, context, [prompt_ids], top, "messages", guide, parsing)
     renderer = ChatRenderer(context.served_model_name, generation.indexes, top, context.tokenizer)
     return GenerationResponse(generation, renderer, stream=req.stream, include_usage=req.include_usage,
                               request_id=request_context(request).request_id)
@@ -182,7 +217,7 @@ async def completions(req: CompletionRequest, request: Request) -> GenerationRes
             prompts.append(list(prompt))
     if any(not p for p in prompts):
         raise invalid_request("prompt must not be empty", "prompt")
-    generation = await new_generation(request, req, context, prompts, req.logprobs, "prompt")
+    generation = await new_generation(request, req, context, prompts, req.logprobs, "prompt", extension_guide(req))
     echo = ({job.index: await off_loop(request, context.tokenizer.decode, job.request.prompt_ids)
              for job in generation.jobs} if req.echo else {})
     renderer = CompletionRenderer(context.served_model_name, req.logprobs, context.tokenizer, echo)

@@ -6,6 +6,7 @@ fields set to values we cannot honour, naming the field, instead of silently dro
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -135,23 +136,105 @@ class TextPart(RequestModel):
     text: ClientStr
 
 
+class FunctionCallIn(RequestModel):
+    name: ClientStr
+    arguments: ClientStr  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(RequestModel):
+    """A call the assistant made earlier in the conversation."""
+
+    id: ClientStr
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: ClientStr | list[TextPart] | None = None
     name: ClientStr | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: ClientStr | None = None  # tool messages: the call this answers
 
-    def as_template_input(self) -> dict[str, str]:
-        """The message as chat templates expect it: content flattened to one string."""
+    @property
+    def text(self) -> str:
         if self.content is None:
-            content = ""
-        elif isinstance(self.content, str):
-            content = self.content
-        else:
-            content = "".join(part.text for part in self.content)
-        message = {"role": self.role, "content": content}
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as Hugging Face chat templates expect it: content flattened to one string, and
+        calls with their arguments as objects (templates serialise them with `tojson`)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+    @model_validator(mode="after")
+    def _calls_parse(self) -> "ChatMessage":
+        for i, call in enumerate(self.tool_calls or []):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise invalid_request(f"tool_calls.{i}.function.arguments must be a JSON object (as text)",
+                                      "messages")
+        if self.tool_calls and self.role != "assistant":
+            raise invalid_request("only assistant messages carry tool_calls", "messages")
+        return self
+
+
+class FunctionDefinition(RequestModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: ClientStr | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def as_template_input(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(RequestModel):
+    name: ClientStr
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(RequestModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] = "response"
+    description: ClientStr | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise invalid_request("response_format of type json_schema needs a json_schema object",
+                                  "response_format")
+        return self
 
 
 class StreamOptions(RequestModel):
@@ -204,31 +287,54 @@ class SamplingFields(ClientRequest):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(SamplingFields):
+class GuidedFields(SamplingFields):
+    """vLLM's guided-decoding extensions, for chat and completions alike (at most one of them)."""
+
+    guided_json: dict[str, Any] | None = None
+    guided_regex: Annotated[str, Field(min_length=1, max_length=10_000)] | None = None
+    guided_grammar: Annotated[str, Field(min_length=1, max_length=100_000)] | None = None
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> "GuidedFields":
+        given = [name for name in ("guided_json", "guided_regex", "guided_grammar") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise invalid_request(f"give at most one of {', '.join(given)}", given[1])
+        return self
+
+
+class ChatCompletionRequest(GuidedFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict] | None = None
-    tool_choice: ClientStr | dict | None = None
-    response_format: dict | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     logit_bias: dict[ClientStr, float] | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise invalid_request("tools are not supported: this server does not parse tool calls", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise invalid_request("tool_choice is not supported: this server does not parse tool calls",
-                                  "tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid_request("only response_format type 'text' is supported (no guided decoding)",
-                                  "response_format")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise invalid_request("tool_choice needs tools", "tool_choice")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise invalid_request("tool names must be unique", "tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise invalid_request(f"tool_choice names {self.tool_choice.function.name!r}, which is not one of the "
+                                  "tools", "tool_choice")
         if self.logit_bias:
             raise invalid_request("logit_bias is not supported", "logit_bias")
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -252,7 +358,7 @@ def _out_of_int32(token: Any) -> bool:
     return not 0 <= token <= INT32_MAX
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(GuidedFields):
     prompt: ClientStr | list[TokenId] | list[ClientStr] | list[list[TokenId]]
     echo: bool = False
     suffix: ClientStr | None = None
@@ -303,7 +409,7 @@ class CompletionRequest(SamplingFields):
 
 
 # ----- responses ---------------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Usage(BaseModel):
@@ -312,9 +418,30 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ResponseMessage(BaseModel):
+    """`content` is always there (null when the answer is only tool calls, as OpenAI's); `tool_calls` and
+    `reasoning_content` only when there are some."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {key: value for key, value in handler(self).items()
+                if value is not None or key == "content"}
 
 
 class ChatChoice(BaseModel):
@@ -334,12 +461,36 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionCallDeltaOut(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ToolCallDeltaOut(BaseModel):
+    """A call's first delta carries its id, type and name; the following ones argument fragments only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDeltaOut
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class ChatDelta(BaseModel):
-    """Streamed deltas carry only the fields they set: `{"role", "content"}` first, `{"content"}`
-    after, `{}` with the finish reason."""
+    """Streamed deltas carry only the fields they set: `{"role", "content"}` first, then `{"content"}`,
+    `{"reasoning_content"}` or `{"tool_calls"}`, and `{}` with the finish reason."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict:

@@ -25,11 +25,13 @@ import anyio
 if sys.version_info < (3, 11):  # anyio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
 
-from frontend.engine import EngineRequest, LLMEngine, SamplingOptions, TokenChunk
+from frontend.engine import EngineRequest, Guide, LLMEngine, SamplingOptions, TokenChunk
 from frontend.errors import OpenAIError, engine_error, invalid_request
+from frontend.reasoning import ReasoningParser
 from frontend.schemas import SamplingFields
 from frontend.stop_strings import StopStringMatcher
 from frontend.tokenizer import Tokenizer
+from frontend.tool_parsers import ToolCall, ToolCallDelta, ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -41,18 +43,34 @@ class TokenInfo:
 
 @dataclass
 class TextDelta:
-    text: str
+    text: str  # the answer's text (chat: its `content`)
     finish_reason: str | None = None  # set on the last delta only
     tokens: list[TokenInfo] = field(default_factory=list)  # the tokens whose text this delta completes
+    reasoning: str = ""  # chat with a reasoning parser: what the model thought, apart from `text`
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # chat with a tool-call parser: calls, taken out of `text`
 
 
 @dataclass
 class ChoiceResult:
-    """A whole choice, for non-streamed responses."""
+    """A whole choice, for non-streamed responses: its deltas joined."""
 
     text: str = ""
     finish_reason: str = "stop"
     tokens: list[TokenInfo] = field(default_factory=list)
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def add(self, delta: TextDelta) -> None:
+        self.text += delta.text
+        self.reasoning += delta.reasoning
+        self.tokens += delta.tokens
+        for call in delta.tool_calls:
+            if call.index == len(self.tool_calls):
+                self.tool_calls.append(ToolCall(call.name or "", ""))
+            previous = self.tool_calls[call.index]
+            self.tool_calls[call.index] = ToolCall(previous.name, previous.arguments + call.arguments)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
 
 
 @dataclass
@@ -115,7 +133,7 @@ def new_engine_request_id() -> str:
 
 
 def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: int, tokenizer: Tokenizer,
-                top_logprobs: int | None, prompt_param: str) -> list[ChoiceJob]:
+                top_logprobs: int | None, prompt_param: str, guide: Guide | None = None) -> list[ChoiceJob]:
     """`n` jobs per prompt, indexed prompt-major as OpenAI does. With a seed, choice j uses seed + j so
     that the n choices differ yet the request stays reproducible. `top_logprobs` is None when the
     request wants no log-probabilities, else how many alternatives per token (0: the sampled token's only)."""
@@ -137,6 +155,7 @@ def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: i
             ignore_eos=req.ignore_eos,
             logprobs=top_logprobs is not None,
             top_logprobs=top_logprobs or 0,
+            guide=guide,
         )
         for j in range(req.n):
             seed = None if req.seed is None else (req.seed + j) % 2**63
@@ -202,6 +221,43 @@ async def generate_choice(engine: LLMEngine, tokenizer: Tokenizer, job: ChoiceJo
     yield TextDelta(text, finish, pending)
 
 
+# ----- what the answer holds besides text: reasoning, tool calls ---------------------------------------------
+@dataclass(frozen=True)
+class AnswerParsing:
+    """How a chat answer's text is taken apart, per choice: reasoning first (`<think>...</think>`), then
+    tool calls in what remains. Each factory makes one parser per choice (parsers keep state)."""
+
+    reasoning: Callable[[], ReasoningParser] | None = None
+    tool_calls: Callable[[], ToolCallParser] | None = None
+
+    def __bool__(self) -> bool:
+        return self.reasoning is not None or self.tool_calls is not None
+
+
+async def parse_answer(deltas: AsyncIterator[TextDelta], parsing: AnswerParsing) -> AsyncIterator[TextDelta]:
+    """The deltas with their text split into reasoning, content and tool-call deltas, as soon as each
+    part is certain; an answer that called tools ends with finish reason "tool_calls"."""
+    reasoning = parsing.reasoning() if parsing.reasoning is not None else None
+    tools = parsing.tool_calls() if parsing.tool_calls is not None else None
+    async with aclosing(deltas):  # closing this closes the engine request at once
+        async for delta in deltas:
+            thought, content = reasoning.feed(delta.text) if reasoning is not None else ("", delta.text)
+            if delta.finish_reason is not None and reasoning is not None:
+                more_thought, more_content = reasoning.finish()
+                thought, content = thought + more_thought, content + more_content
+            calls: tuple[ToolCallDelta, ...] = ()
+            if tools is not None:
+                parsed = tools.feed(content)
+                content, calls = parsed.content, parsed.tool_calls
+                if delta.finish_reason is not None:
+                    rest = tools.finish()
+                    content, calls = content + rest.content, calls + rest.tool_calls
+            finish = delta.finish_reason
+            if finish == "stop" and tools is not None and tools.calls:
+                finish = "tool_calls"
+            yield TextDelta(content, finish, delta.tokens, thought, calls)
+
+
 # ----- all the choices of one request --------------------------------------------------------------------
 def first_error(group: BaseExceptionGroup) -> BaseException:
     """The error to answer with from a task group's failures: an OpenAIError if there is one."""
@@ -223,13 +279,14 @@ class Generation:
     """The engine requests of one HTTP request and their shared usage count."""
 
     def __init__(self, engine: LLMEngine, tokenizer: Tokenizer, jobs: list[ChoiceJob], stop: list[str],
-                 prompt_tokens: int, hooks: RequestHooks | None = None):
+                 prompt_tokens: int, hooks: RequestHooks | None = None, parsing: AnswerParsing = AnswerParsing()):
         self.engine = engine
         self.tokenizer = tokenizer
         self.jobs = jobs
         self.stop = stop
         self.usage = UsageCounter(prompt_tokens)
         self.hooks = hooks
+        self.parsing = parsing
 
     @property
     def indexes(self) -> list[int]:
@@ -254,11 +311,7 @@ class Generation:
         results = {index: ChoiceResult() for index in self.indexes}
 
         async def add(index: int, delta: TextDelta) -> None:
-            result = results[index]
-            result.text += delta.text
-            result.tokens += delta.tokens
-            if delta.finish_reason is not None:
-                result.finish_reason = delta.finish_reason
+            results[index].add(delta)
 
         await self.run(add)
         return results
@@ -276,8 +329,10 @@ class Generation:
 
     async def _choice(self, job: ChoiceJob, on_delta: DeltaHandler) -> None:
         timer = self.hooks.timer() if self.hooks is not None else None
-        async with aclosing(generate_choice(self.engine, self.tokenizer, job, self.stop, self.usage,
-                                            timer)) as deltas:
+        deltas = generate_choice(self.engine, self.tokenizer, job, self.stop, self.usage, timer)
+        if self.parsing:
+            deltas = parse_answer(deltas, self.parsing)
+        async with aclosing(deltas):
             async for delta in deltas:
                 if self.hooks is not None:
                     self.hooks.record_delta(delta)

@@ -17,6 +17,8 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 from frontend.auth import HashedKeys
+from frontend.reasoning import REASONING_PARSERS
+from frontend.tool_parsers import FAMILY_PARSERS
 
 # Mozilla's "intermediate" TLS 1.2 suites (ssl-config.mozilla.org): forward secrecy and AEAD ciphers
 # only. Its DHE suites are left out: this server loads no DH parameters, so they could never be chosen.
@@ -43,6 +45,11 @@ class Settings(BaseSettings):
     tokenizer_dir: Path | None = Field(None, description="Hugging Face tokenizer dir; default: from Triton")
     context_length: int | None = Field(None, description="max prompt + completion tokens; default: from Triton")
     chat_template: Path | None = Field(None, description="Jinja chat template file overriding the tokenizer's")
+    tool_call_parser: str | None = Field(
+        None, description="how tool calls are read from answers (tool_choice auto): hermes, llama3_json or "
+                          "mistral; default: recognised from the chat template, if it can be")
+    reasoning_parser: str | None = Field(
+        None, description="think: answers' <think>...</think> become reasoning_content; default: off")
     max_n: int = Field(8, description="largest n (choices per request) accepted")
     triton_timeout_s: float = Field(5.0, description="timeout for Triton metadata calls (not for generation)")
     log_prompts: bool = Field(False, description="log prompt and completion text (debugging only)")
@@ -97,6 +104,20 @@ class Settings(BaseSettings):
         if not isinstance(value, str):
             raise ValueError("API_KEYS must be a comma-separated string")  # the value itself is never echoed
         return HashedKeys.parse(value)
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_call_parser(cls, value: str | None) -> str | None:
+        if value and value not in FAMILY_PARSERS:
+            raise ValueError(f"unknown tool-call parser {value!r}; known: {', '.join(FAMILY_PARSERS)}")
+        return value or None
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        if value and value not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {value!r}; known: {', '.join(REASONING_PARSERS)}")
+        return value or None
 
     @field_validator("ssl_ciphers")
     @classmethod

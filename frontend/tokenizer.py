@@ -59,15 +59,32 @@ class Tokenizer:
         (the fallback: each token's decoded text, U+FFFD for a split character)."""
         return self._token_bytes.family
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        template = self._tok.chat_template
+        return template if isinstance(template, str) else None
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template uses the `tools` it is given (Hugging Face templates that support
+        tool calling do); one that does not would silently drop them from the prompt."""
+        return "tools" in (self.chat_template or "")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                            ) -> list[int]:
         if not self.has_chat_template:
             raise invalid_request(
                 "this model's tokenizer has no chat template, so /v1/chat/completions cannot format "
                 "messages; start the frontend with --chat-template FILE (a Jinja template), or use "
                 "/v1/completions with a plain prompt", param="messages", code="chat_template_missing")
+        if tools and not self.template_renders_tools:
+            raise invalid_request(
+                "this model's chat template does not render tools, so the model would never see them; start "
+                "the frontend with --chat-template FILE (a template that renders `tools`)", param="tools",
+                code="chat_template_without_tools")
         try:
-            ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)
+            ids = self._tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
         except Exception as exc:  # the template itself raised (e.g. roles it does not allow)
             raise invalid_request(f"the chat template rejected these messages: {exc}",
                                   param="messages") from exc

@@ -47,6 +47,8 @@ ENGINE_CLIENT_ERRORS = (
     "exceeds the engine's max_seq_len",
     "outside the vocabulary",
     "exceeds maximum input length",
+    "invalid guided_decoding_guide",  # the CPU engine's grammar compiler refused the guide
+    "guided decoding is off",
 )
 # gRPC / Triton statuses that say the request itself was wrong (Triton: TRITONSERVER_ERROR_INVALID_ARG).
 CLIENT_ERROR_STATUSES = ("INVALID_ARGUMENT", "INVALID_ARG")
@@ -92,6 +94,13 @@ def error_for(error: InferenceServerException, engine_model: str) -> OpenAIError
         return invalid_request(f"the engine refused the request: {client_message(message)}",
                                code="invalid_engine_request")
     return engine_error(f"the engine failed the request: {client_message(message)}")
+
+
+def _about_the_guide(error: OpenAIError, options: SamplingOptions) -> OpenAIError:
+    """An engine's refusal of a guide names the request field the guide came from."""
+    if options.guide is not None and error.status == 400 and "guided" in error.message:
+        error.param = options.guide.param
+    return error
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -144,6 +153,9 @@ def build_inputs(prompt_ids: list[int], options: SamplingOptions) -> list[grpccl
         inputs.append(scalar("return_log_probs", True, np.bool_, "BOOL"))
     if options.top_logprobs:  # only where the engine offers alternatives (the max_top_logprobs parameter)
         inputs.append(scalar("top_logprobs", options.top_logprobs, np.int32, "INT32"))
+    if options.guide is not None:
+        inputs += [_tensor("guided_decoding_guide_type", np.array([[options.guide.type]], dtype=np.object_), "BYTES"),
+                   _tensor("guided_decoding_guide", np.array([[options.guide.text]], dtype=np.object_), "BYTES")]
     return inputs
 
 
@@ -262,7 +274,7 @@ class TritonEngine:
         try:
             async for result, error in call:
                 if error is not None:
-                    raise error_for(error, self.engine_model)
+                    raise _about_the_guide(error_for(error, self.engine_model), options)
                 token_ids = _new_tokens(result)
                 if not token_ids:
                     continue

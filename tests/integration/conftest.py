@@ -63,6 +63,7 @@ class Stack:
     context_length: int
     triton_http_url: str
     scripted: ScriptedModel  # the engine model whose greedy output the tests script (scripted_model.py)
+    repository: Path  # the session Triton's model repository (explicit model control: models load on demand)
 
     def engine_metric(self, name: str, model: str = "tensorrt_llm") -> float:
         """A CPU engine metric of one engine model, from Triton's metrics port (`cpu_engine_<name>`)."""
@@ -144,11 +145,39 @@ def stack(built_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         wait_http_ok(f"{root}/health/ready", 120, frontend)
         checkpoint = built_engine / "checkpoints" / "demo-tiny"
         yield Stack(f"{root}/v1", root, grpc_url, f"http://127.0.0.1:{metrics}/metrics", "demo-tiny",
-                    checkpoint, 512, f"http://127.0.0.1:{http}", scripted)
+                    checkpoint, 512, f"http://127.0.0.1:{http}", scripted, repository)
     finally:
         if frontend is not None:
             stop_process(frontend)
         triton.stop()
+
+
+QWEN_MODEL = "tensorrt_llm_qwen"
+QWEN_SERVED_NAME = "demo-qwen-tiny"
+
+
+@pytest.fixture(scope="session")
+def qwen_url(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second model family in the session Triton: the Qwen2 demo checkpoint (Hermes-style tool calling in
+    its chat template), built as `make engine PRESET=qwen-tiny` builds it, loaded into the running Triton
+    (explicit model control) only when a test asks for it, with a frontend of its own: its base URL."""
+    out = tmp_path_factory.mktemp("build_qwen")
+    subprocess.run([sys.executable, "-m", "build_engine", "--preset", "qwen-tiny", "--output-dir", str(out),
+                    "--max-batch-size", "8", "--max-seq-len", "1024"], check=True, cwd=REPO_ROOT)
+    target = stack.repository / QWEN_MODEL
+    shutil.copytree(out / "model_repository" / "tensorrt_llm", target, ignore=shutil.ignore_patterns("__pycache__"))
+    config = target / "config.pbtxt"
+    config.write_text(re.sub(r'^name:\s*"[^"]*"', f'name: "{QWEN_MODEL}"', config.read_text(), count=1, flags=re.M))
+    httpx.post(f"{stack.triton_http_url}/v2/repository/models/{QWEN_MODEL}/load", timeout=300).raise_for_status()
+    port = find_free_port()
+    process = start_frontend(stack.triton_grpc_url, port, tmp_path_factory.mktemp("qwen_logs") / "frontend.log",
+                             ENGINE_MODEL=QWEN_MODEL, SERVED_MODEL_NAME=QWEN_SERVED_NAME,
+                             TOKENIZER_DIR=str(out / "checkpoints" / QWEN_SERVED_NAME))
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health/ready", 120, process)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        stop_process(process)
 
 
 @pytest.fixture(scope="module")

@@ -185,3 +185,26 @@ def test_a_request_without_sequence_length_is_refused_with_the_backends_message(
         client.close()
     assert not results
     assert rules.SEQUENCE_LENGTH_REQUIRED in errors[0].message()
+
+
+def test_guided_decoding_through_the_backends_own_inputs(stack: Stack, contract_url: str) -> None:
+    """response_format and a named tool reach the double as guided_decoding_guide_type/_guide, with the
+    TensorRT-LLM config's guided decoding on (xgrammar, the tokenizer-info file the double checks)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    body = {"model": stack.model, "max_tokens": 40, "temperature": 1.0, "seed": 3, "n": 2, **CHAT,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    reference = post(stack.base_url, "chat/completions", body)
+    answer = post(contract_url, "chat/completions", body)
+    assert answer.status_code == 200, answer.text
+    assert comparable(answer.json(), chat=True) == comparable(reference.json(), chat=True)
+    for text in comparable(answer.json(), chat=True)[0].values():
+        assert set(json.loads(text)) == {"n", "ok"}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    called = post(contract_url, "chat/completions", {**body, "response_format": None, "tools": [tool],
+                                                     "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert called.status_code == 200, called.text
+    for choice in called.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls"
+        assert set(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])) == {"n", "ok"}

@@ -78,6 +78,7 @@ def add_contract_double(repository: Path, name: str, engine_dir: Path,
     unknown knob, or a rendered config that does not hold exactly one `backend: "tensorrtllm"` line."""
     from build_engine.render import render_repository  # test process only: no build_engine in the stub
     from build_engine.values import repository_values
+    from build_engine.xgrammar_info import write_tokenizer_info
 
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or name == ENGINE_MODEL:
         raise ValueError(f"not a usable model name for the contract double: {name!r}")
@@ -86,13 +87,17 @@ def add_contract_double(repository: Path, name: str, engine_dir: Path,
         raise ValueError(f"{target} already exists")
     engine_dir = Path(engine_dir)
     engine_config = json.loads((engine_dir / "engine_config.json").read_text())
+    # A TensorRT-LLM build writes the guided-decoding tokenizer info beside its engine; a CPU build has none.
+    tokenizer_info = target / "xgrammar_tokenizer_info.json"
+    write_tokenizer_info(Path(engine_config["checkpoint_dir"]), tokenizer_info)
+    engine_config = {**engine_config, "xgrammar_tokenizer_info": str(tokenizer_info)}
     values = repository_values(Path(template_dir), "trtllm", engine_config, engine_dir)
     with tempfile.TemporaryDirectory(prefix="trtllm_contract_") as scratch:
         rendered = Path(scratch) / "model_repository"
         render_repository(Path(template_dir), values, rendered)
         text = (rendered / ENGINE_MODEL / "config.pbtxt").read_text()
     config = contract_config(text, name, knobs)
-    (target / "1").mkdir(parents=True)
+    (target / "1").mkdir(parents=True, exist_ok=True)
     (target / "config.pbtxt").write_text(config)
     (target / "1" / "model.py").write_text(_loader_source(name))
 
@@ -136,6 +141,24 @@ def _loader_source(name: str) -> str:
 
 
 # ----- the Triton side ---------------------------------------------------------------------------------------
+class FinishableSender:
+    """A request's response sender that answers `is_cancelled()` itself once the double has sent the request's
+    final response ahead of the engine (an error in place of the first response, a stopped request): the
+    engine polls its live requests, and asking Triton about a finished one crashes tritonserver 2.51
+    (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled, seen here). As finished, it reads as cancelled, so
+    the engine drops the request at its next step."""
+
+    def __init__(self, sender: Any):
+        self._sender = sender
+        self.finished = False
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        return self._sender.send(*args, **kwargs)
+
+    def is_cancelled(self) -> bool:
+        return self.finished or self._sender.is_cancelled()
+
+
 @dataclass(frozen=True)
 class _Pending:
     """What the double learnt of the request the production `_enqueue` is turning into an engine request."""
@@ -157,7 +180,8 @@ def _build_model_class() -> type:
 
         def __init__(self, model, pending: _Pending, sender, channel, streaming, prompt, exclude_input,
                      top_logprobs, outputs):
-            super().__init__(sender, channel, streaming, prompt, exclude_input, top_logprobs, outputs)
+            super().__init__(FinishableSender(sender), channel, streaming, prompt, exclude_input, top_logprobs,
+                             outputs)
             self.model = model
             self.triton_id = pending.triton_id
             self.response_error = pending.response_error
@@ -199,6 +223,7 @@ def _build_model_class() -> type:
 
         def _end(self, response) -> None:
             self.done = True
+            self.sender.finished = True  # before the engine's next cancellation poll can ask Triton about it
             self.channel.send(self.sender, response, FINAL)
             self.model._forget(self)
 

@@ -443,6 +443,8 @@ UPSTREAM_INPUTS: dict[str, TensorSpec] = {
     "exclude_input_in_output": TensorSpec("TYPE_BOOL", (1,), True),
     "stop": TensorSpec("TYPE_BOOL", (1,), True),
     "streaming": TensorSpec("TYPE_BOOL", (1,), True),
+    "guided_decoding_guide_type": TensorSpec("TYPE_STRING", (1,)),
+    "guided_decoding_guide": TensorSpec("TYPE_STRING", (1,)),
 }
 # Read with getRequestBooleanInputTensor() (model_instance_state.cc / utils.cc): the first byte of the buffer,
 # whatever the shape, so a template without upstream's scalar reshape for them is harmless.
@@ -467,7 +469,7 @@ OTHER_UPSTREAM_INPUTS = frozenset({
     "mrope_position_deltas", "lora_task_id", "lora_weights", "lora_config", "context_phase_params",
     "skip_cross_attn_blocks", "retention_token_range_starts", "retention_token_range_ends",
     "retention_token_range_priorities", "retention_token_range_durations_ms", "retention_decode_priority",
-    "retention_decode_duration_ms", "guided_decoding_guide_type", "guided_decoding_guide", "lookahead_window_size",
+    "retention_decode_duration_ms", "lookahead_window_size",
     "lookahead_ngram_size", "lookahead_verification_set_size", "no_repeat_ngram_size", "multimodal_embedding",
 })
 OTHER_UPSTREAM_OUTPUTS = frozenset({
@@ -701,7 +703,30 @@ def _check_enqueue(inputs: Mapping[str, np.ndarray], decoupled: bool) -> None:
                 convert_word_list(np.asarray(item[name]).reshape(-1))
 
 
+# utils.cc getGuidedDecodingParamsFromTensors() @19290813: the guide types it maps; any other type is dropped
+# without a word (the request then runs unguided), and a guide without a type is ignored too.
+GUIDE_TYPES = frozenset({"json", "json_schema", "regex", "ebnf_grammar"})
+GUIDE_IGNORED = (DOUBLE + "guided_decoding_guide_type {guide_type!r} is not one TensorRT-LLM maps (json, json_schema, "
+                 "regex, ebnf_grammar): utils.cc getGuidedDecodingParamsFromTensors() would drop the guide without a "
+                 "word and generate unguided")
+GUIDE_WITHOUT_TYPE = (DOUBLE + "guided_decoding_guide without guided_decoding_guide_type: TensorRT-LLM "
+                      "(utils.cc getGuidedDecodingParamsFromTensors) would ignore the guide and generate unguided")
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
 def _double_only(inputs: Mapping[str, np.ndarray]) -> str | None:
+    """What upstream accepts but silently does otherwise than asked: refused by the double, so that no test
+    takes an unguided answer for a guided one, or a cut prompt for a whole one."""
+    guide_type, guide = inputs.get("guided_decoding_guide_type"), inputs.get("guided_decoding_guide")
+    if guide_type is not None:
+        name = _text(np.asarray(guide_type, dtype=object).reshape(-1)[0])
+        if name not in GUIDE_TYPES:
+            return GUIDE_IGNORED.format(guide_type=name)
+    elif guide is not None:
+        return GUIDE_WITHOUT_TYPE
     ids, lengths = inputs.get("input_ids"), inputs.get("input_lengths")
     if ids is None or lengths is None or np.asarray(ids).shape[0] != 1 or np.asarray(lengths).size != 1:
         return None

@@ -17,7 +17,10 @@ from frontend.errors import OpenAIError, engine_error
 from frontend.renderers import ChatRenderer, CompletionRenderer
 from frontend.responses import GenerationResponse
 from frontend.schemas import CompletionRequest
-from frontend.serving import ChoiceJob, Generation, GenerationLimits, choice_jobs, generate_choice, UsageCounter
+from frontend.reasoning import REASONING_PARSERS
+from frontend.serving import (AnswerParsing, ChoiceJob, Generation, GenerationLimits, UsageCounter, choice_jobs,
+                             generate_choice)
+from frontend.tool_parsers import PARSERS, ToolCall, named_parser
 
 EOS = 0
 
@@ -363,3 +366,75 @@ def test_engine_error_responses_map_to_what_the_client_can_do(message: str, stat
     error = error_for(InferenceServerException(message), "tensorrt_llm")
     assert (error.status, error.code) == (status, code)
     assert status != 429 or int(error.headers["Retry-After"]) >= 1
+
+
+# ----- tool calls and reasoning: the answer taken apart, streamed and not alike -------------------------------
+def chat_response(engine: FakeEngine, stream: bool, parsing: AnswerParsing) -> GenerationResponse:
+    generation = Generation(engine, TOKENIZER, [job(max_tokens=1000)], [], 3, parsing=parsing)
+    return GenerationResponse(generation, ChatRenderer("m", [0], None, TOKENIZER), stream=stream,
+                              include_usage=False, request_id="r")
+
+
+HERMES_ANSWER = ('<think>the user wants weather</think>Let me look.\n<tool_call>\n{"name": "get_weather", '
+                 '"arguments": {"city": "北京", "days": [1, 2]}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+                 '"arguments": {}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("per_chunk", [1, 7])
+async def test_streamed_tool_call_deltas_assemble_to_the_non_streamed_calls(per_chunk: int) -> None:
+    parsing = AnswerParsing(REASONING_PARSERS["think"], PARSERS["hermes"])
+    streamed, whole = Client(), Client()
+    await chat_response(FakeEngine(tokens_of(HERMES_ANSWER, per_chunk=per_chunk)), True, parsing)(
+        {}, streamed.receive, streamed.send)
+    await chat_response(FakeEngine(tokens_of(HERMES_ANSWER)), False, parsing)({}, whole.receive, whole.send)
+    message = json.loads(whole.body)["choices"][0]
+    assert message["finish_reason"] == "tool_calls"
+    assert message["message"]["content"] == "Let me look."
+    assert message["message"]["reasoning_content"] == "the user wants weather"
+    calls = message["message"]["tool_calls"]
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "get_weather", {"city": "北京", "days": [1, 2]}), ("function", "get_time", {})]
+    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+
+    chunks = [json.loads(e) for e in streamed.events()[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me look."
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "the user wants weather"
+    assembled: dict[int, dict] = {}
+    for delta in (call for d in deltas for call in d.get("tool_calls") or []):
+        call = assembled.setdefault(delta["index"], {"name": "", "arguments": ""})
+        if "id" in delta:  # a call's first delta: id, type and name, once
+            assert "id" not in call and delta["type"] == "function" and delta["function"]["name"]
+            call["id"], call["name"] = delta["id"], delta["function"]["name"]
+        call["arguments"] += delta["function"].get("arguments", "")
+    assert [(a["name"], a["arguments"]) for a in assembled.values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert all("<tool_call>" not in (d.get("content") or "") for d in deltas)
+
+
+async def test_a_cut_call_is_content_and_the_finish_reason_says_length() -> None:
+    parsing = AnswerParsing(None, PARSERS["hermes"])
+    client = Client()
+    answer = '<tool_call>\n{"name": "f", "arguments": {"a": 1'
+    await chat_response(FakeEngine(tokens_of(answer + "}}")), False, parsing)({}, client.receive, client.send)
+    choice = json.loads(client.body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"  # the whole call: a call
+    client = Client()
+    generation = Generation(FakeEngine(tokens_of(answer + "}}")), TOKENIZER, [job(max_tokens=len(answer))], [], 3,
+                            parsing=parsing)
+    results = await generation.collect()
+    assert results[0].finish_reason == "length" and not results[0].tool_calls and results[0].text == answer
+
+
+async def test_guided_named_and_required_answers_become_calls() -> None:
+    named = Generation(FakeEngine(tokens_of('{"city": "Paris"}')), TOKENIZER, [job(max_tokens=1000)], [], 3,
+                       parsing=AnswerParsing(None, lambda: named_parser("get_weather", stream_arguments=True)))
+    result = (await named.collect())[0]
+    assert result.finish_reason == "tool_calls" and result.text == ""
+    assert result.tool_calls == [ToolCall("get_weather", '{"city": "Paris"}')]
+    required = Generation(FakeEngine(tokens_of('[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]')),
+                          TOKENIZER, [job(max_tokens=1000)], [], 3,
+                          parsing=AnswerParsing(None, lambda: PARSERS["required"](stream_arguments=True)))
+    result = (await required.collect())[0]
+    assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == [("a", {"x": 1}), ("b", {})]

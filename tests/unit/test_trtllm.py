@@ -200,7 +200,7 @@ def test_dry_run_renders_the_repository_it_would_serve(
     assert parameters["tokenizer_dir"] == str(llama_checkpoint.resolve())
     tokenizer_info = (out / "engine" / "xgrammar_tokenizer_info.json").resolve()
     assert parameters["xgrammar_tokenizer_info_path"] == str(tokenizer_info)
-    assert parameters["guided_decoding_backend"] == ""  # off until the structured-output work turns it on
+    assert parameters["guided_decoding_backend"] == "xgrammar"
     assert (parameters["max_seq_len"], parameters["max_top_logprobs"]) == ("512", "0")
     assert {p.parent.name for p in (out / "model_repository").glob("*/config.pbtxt")} == {
         "ensemble", "preprocessing", "postprocessing", "tensorrt_llm"}

@@ -13,6 +13,7 @@ import pytest
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
+from build_engine.demo_checkpoint import ensure_demo_checkpoint
 from build_engine.render import render_repository
 from build_engine.values import repository_values
 from tests.trtllm_contract import rules
@@ -28,11 +29,15 @@ def config_json(pbtxt: str) -> dict[str, Any]:
     return json_format.MessageToDict(message, preserving_proto_field_name=True)
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo checkpoint: add_contract_double reads its tokenizer (for the guided-decoding info)."""
+    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"), "tiny")
+
+
 @pytest.fixture()
-def engine_dir(tmp_path: Path) -> Path:
-    """What add_contract_double reads of a CPU build: engine_config.json (the checkpoint is never opened)."""
-    checkpoint = tmp_path / "checkpoint"
-    checkpoint.mkdir()
+def engine_dir(tmp_path: Path, checkpoint: Path) -> Path:
+    """What add_contract_double reads of a CPU build: engine_config.json and the checkpoint's tokenizer."""
     engine = tmp_path / "engine"
     engine.mkdir()
     (engine / "engine_config.json").write_text(json.dumps({
@@ -41,8 +46,11 @@ def engine_dir(tmp_path: Path) -> Path:
     return engine
 
 
-def render_trtllm(engine_dir: Path, out: Path, template_dir: Path = TEMPLATE_DIR) -> str:
+def render_trtllm(engine_dir: Path, out: Path, template_dir: Path = TEMPLATE_DIR,
+                  tokenizer_info: Path | None = None) -> str:
     engine_config = json.loads((engine_dir / "engine_config.json").read_text())
+    if tokenizer_info is not None:
+        engine_config["xgrammar_tokenizer_info"] = str(tokenizer_info)
     render_repository(template_dir, repository_values(template_dir, "trtllm", engine_config, engine_dir), out)
     return (out / "tensorrt_llm" / "config.pbtxt").read_text()
 
@@ -383,7 +391,9 @@ def test_the_double_differs_from_the_trtllm_config_in_backend_and_name_only(engi
     repository = tmp_path / "repository"
     repository.mkdir()
     add_contract_double(repository, DOUBLE_NAME, engine_dir)
-    production = render_trtllm(engine_dir, tmp_path / "reference").splitlines()
+    tokenizer_info = repository / DOUBLE_NAME / "xgrammar_tokenizer_info.json"
+    assert json.loads(tokenizer_info.read_text())["stop_token_ids"]  # written beside it, as a build writes it
+    production = render_trtllm(engine_dir, tmp_path / "reference", tokenizer_info=tokenizer_info).splitlines()
     double = (repository / DOUBLE_NAME / "config.pbtxt").read_text().splitlines()
     assert len(double) == len(production)
     assert [(a, b) for a, b in zip(production, double) if a != b] == [
@@ -425,3 +435,16 @@ def test_a_template_upstream_would_refuse_makes_the_double_refuse(engine_dir: Pa
     config = config_json((tmp_path / DOUBLE_NAME / "config.pbtxt").read_text())
     assert rules.load_error(rules.check_model_config(config)) == \
         "unexpected error when creating modelInstanceState: Cannot find parameter with name: tokenizer_dir"
+
+
+def test_a_guide_upstream_would_drop_without_a_word_is_refused_by_the_double() -> None:
+    base = {"input_ids": np.array([[1, 2]], dtype=np.int32), "input_lengths": np.array([[2]], dtype=np.int32),
+            "request_output_len": np.array([[4]], dtype=np.int32)}
+    outputs = {"output_ids", "sequence_length"}
+    guided = {**base, "guided_decoding_guide_type": np.array([[b"json_schema"]], dtype=object),
+              "guided_decoding_guide": np.array([[b'{"type": "object"}']], dtype=object)}
+    assert rules.check_request(guided, outputs, decoupled=True) is None
+    unknown = {**guided, "guided_decoding_guide_type": np.array([[b"xml"]], dtype=object)}
+    assert "'xml' is not one TensorRT-LLM maps" in rules.check_request(unknown, outputs, decoupled=True)
+    no_type = {**base, "guided_decoding_guide": guided["guided_decoding_guide"]}
+    assert "without guided_decoding_guide_type" in rules.check_request(no_type, outputs, decoupled=True)

@@ -5,6 +5,12 @@ answers through the request's response sender: one response per new token when `
 one response with every token otherwise; the last response carries the FINAL flag. Shapes follow the
 TensorRT-LLM backend: `output_ids` [1, beams, len], `sequence_length` [1, beams], and so on.
 
+Guided decoding (TensorRT-LLM's inputs `guided_decoding_guide_type` and `guided_decoding_guide`): on when the
+parameter `guided_decoding_backend` is "xgrammar", with the tokenizer of the `tokenizer_dir` parameter
+(cpu_engine.guided). A request's guide is compiled (or found in the compiler's cache) in execute(), on
+Triton's thread, so the engine thread only ever runs the matchers; a guide that does not compile gets an
+error response ("invalid guided_decoding_guide ...").
+
 Cancellation: a request whose client went away (Triton's `is_cancelled()`) is cancelled by identity and
 ends with a plain FINAL response; the `stop` input (TensorRT-LLM semantics: cancel the requests that
 carry this request id) ends those requests with an error response, since their clients are still there.
@@ -53,6 +59,23 @@ def _scalar(request, name: str, default=None):
         return default
     values = tensor.as_numpy().reshape(-1)
     return values[0].item() if values.size else default
+
+
+def _string(request, name: str) -> str | None:
+    """A TYPE_STRING [1] input as text (Triton hands the Python backend bytes), or None when absent or empty."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    values = tensor.as_numpy().reshape(-1)
+    if not values.size:
+        return None
+    value = values[0]
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"{name} is not valid UTF-8: {exc}") from exc
+    return str(value) or None
 
 
 def _word_list(request, name: str) -> list[list[int]]:
@@ -242,12 +265,24 @@ class TritonPythonModel:
             max_num_tokens=int(_param(config, "max_num_tokens", "0") or 0),
             prefill_step_ratio=float(_param(config, "cpu_prefill_step_ratio", "1.75") or 1.75))
         self.model_name = args["model_name"]
+        guided_backend = _param(config, "guided_decoding_backend", "")
+        if guided_backend not in ("", "xgrammar"):
+            raise pb_utils.TritonModelException(
+                f"guided_decoding_backend must be \"\" (off) or \"xgrammar\", got {guided_backend!r}")
         self.metrics = EngineMetrics(self.model_name)
         self.channel = self._make_channel()
         self.engine = Engine.from_config(
             engine_config, cancelled=self.channel.cancelled, on_stats=self.metrics.publish,
             after_step=self._after_step, on_failure=self._engine_failed,
             max_queued=int(_param(config, "cpu_max_queue_size", "0") or 0))
+        self.guide_compiler = None
+        if guided_backend == "xgrammar":
+            from cpu_engine.guided import GuideCompiler  # imports xgrammar: only when guided decoding is on
+
+            tokenizer_dir = _param(config, "tokenizer_dir", "") or str(engine_config.checkpoint_dir)
+            self.guide_compiler = GuideCompiler.from_tokenizer_dir(
+                tokenizer_dir, vocab_size=self.engine.scheduler.runner.vocab_size)
+            pb_utils.Logger.log_info(f"guided decoding: xgrammar, tokenizer from {tokenizer_dir}")
         pb_utils.Logger.log_info(self.engine.describe())
         self.engine.start()
 
@@ -321,6 +356,7 @@ class TritonPythonModel:
             bad_words=_word_list(request, "bad_words_list"),
             top_logprobs=top_logprobs,
         )
+        guide = self._guide(request)
         self.engine.submit(GenerationRequest(
             request_id=request_id,
             prompt=prompt,
@@ -330,7 +366,19 @@ class TritonPythonModel:
             sampling=sampling,
             end_id=None if end_id is None else int(end_id),
             stop_words=_word_list(request, "stop_words_list"),
+            guide=guide,
         ))
+
+    def _guide(self, request):
+        """The request's compiled guide (cpu_engine.guided.CompiledGuide), or None when it asks for none.
+        Compiled here, on Triton's thread (cached by the compiler); RequestError for a guide it cannot serve."""
+        guide_type = _string(request, "guided_decoding_guide_type")
+        guide = _string(request, "guided_decoding_guide")
+        if guide_type is None and guide is None:
+            return None
+        if self.guide_compiler is None:
+            raise RequestError("guided decoding is off on this engine (guided_decoding_backend)")
+        return self.guide_compiler.compile(guide_type, guide)
 
     def _make_sink(self, sender, streaming: bool, prompt: list[int], exclude_input: bool, top_logprobs: int,
                    outputs: frozenset[str]) -> TritonSink:
