@@ -51,8 +51,9 @@ def chat(stack: Stack, **fields) -> dict:
     ("n above the limit", lambda s: chat(s, n=100), "n"),
     ("logit_bias", lambda s: chat(s, logit_bias={"5": 10}), "logit_bias"),
     ("top_logprobs without logprobs", lambda s: chat(s, top_logprobs=2), "top_logprobs"),
-    ("tools", lambda s: chat(s, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    ("json response_format", lambda s: chat(s, response_format={"type": "json_object"}), "response_format"),
+    ("tool without a name", lambda s: chat(s, tools=[{"type": "function", "function": {"name": "no spaces"}}]),
+     "tools"),
+    ("json_schema without a schema", lambda s: chat(s, response_format={"type": "json_schema"}), "response_format"),
 ])
 def test_invalid_chat_requests_get_400(stack: Stack, case: str, make_body, param: str | None) -> None:
     response = httpx.post(f"{stack.base_url}/chat/completions", json=make_body(stack), timeout=30)
