@@ -19,16 +19,10 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+from frontend.tool_parsers import held_prefix_length
+
 _SPACE = " \t\n\r"
 _SPACE_RUN = re.compile(r"[ \t\n\r]+")
-
-
-def _held_prefix_length(text: str, marker: str) -> int:
-    """How many characters at the end of text are the start of marker (a proper prefix of it)."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:length]):
-            return length
-    return 0
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
@@ -144,7 +138,7 @@ class ReasoningParser:
         buffer = held_before + text[i:] if held_before else text[i:]
         at = buffer.find(self.END)
         if at < 0:
-            keep = _held_prefix_length(buffer, self.END)
+            keep = held_prefix_length(buffer, self.END)
             self._held = buffer[len(buffer) - keep:] if keep else ""
             self._reasoning.add(buffer[:len(buffer) - keep])
             return len(text)

@@ -394,7 +394,7 @@ _CallScanner = _CallObjectScanner | _ArgumentsObjectScanner
 # Text plumbing shared by the parsers.
 
 
-def _held_prefix_length(text: str, marker: str) -> int:
+def held_prefix_length(text: str, marker: str) -> int:
     """How many characters at the end of text are the start of marker (a proper prefix of it)."""
     for length in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:length]):
@@ -677,7 +677,7 @@ class _MarkerContent:
         if at >= 0:
             self.held = ""
             return buffer[:at], i + at + len(self.marker) - len(held_before)
-        keep = _held_prefix_length(buffer, self.marker)
+        keep = held_prefix_length(buffer, self.marker)
         self.held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[:len(buffer) - keep], -1
 
