@@ -14,16 +14,13 @@ from frontend.middleware import RequestContext
 from frontend.model_context import ModelContext
 from frontend.renderers import ChatRenderer, CompletionRenderer
 from frontend.responses import GenerationResponse
-from frontend.reasoning import REASONING_PARSERS, prompt_opens_reasoning
 from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, ModelCard,
-                              ModelList, NamedToolChoice, SamplingFields, TokenizeRequest, now)
+                              ModelList, SamplingFields, TokenizeRequest, now)
 from frontend.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs
-from frontend.structured import chat_guide, extension_guide
-from frontend.tool_parsers import PARSERS, named_parser
+from frontend.structured import answer_parsing, chat_guide, extension_guide
 
 router = APIRouter()
 T = TypeVar("T")
-REASONING_PROMPT_TAIL = 16  # prompt tokens whose text says whether the template opened a <think>
 
 
 def request_context(request: Request) -> RequestContext:
@@ -121,32 +118,6 @@ def check_top_logprobs(top_logprobs: int | None, context: ModelContext, param: s
             f"(the TensorRT-LLM backend has none); ask for logprobs with {param} 0.", param)
     raise invalid_request(f"This engine returns at most {context.max_top_logprobs} alternatives per token; "
                           f"{param} was {top_logprobs}.", param)
-
-
-def answer_parsing(req: ChatCompletionRequest, context: ModelContext, prompt_ids: list[int]) -> AnswerParsing:
-    """How this request's answers are read: the reasoning parser if the server has one (starting inside
-    the reasoning when the template opened it in the prompt), and the tool-call parser its tool_choice
-    needs (the guided forms for "required" and a named tool, the model family's for "auto")."""
-    reasoning = None
-    if context.reasoning_parser:
-        parser, opened = REASONING_PARSERS[context.reasoning_parser], prompt_opens_reasoning(
-            context.tokenizer.decode(prompt_ids[-REASONING_PROMPT_TAIL:]))
-        reasoning = functools.partial(parser, starts_in_reasoning=opened)
-    choice = req.effective_tool_choice
-    if isinstance(choice, NamedToolChoice):
-        name = choice.function.name
-        # Guided: the grammar makes the call certain as it comes, so its arguments stream as they arrive.
-        return AnswerParsing(reasoning, lambda: named_parser(name, stream_arguments=True))
-    if choice == "required":
-        return AnswerParsing(reasoning, lambda: PARSERS["required"](stream_arguments=True))
-    if choice == "auto":
-        if context.tool_call_parser is None:
-            raise invalid_request(
-                "tool_choice auto needs to know how this model writes tool calls, and its chat template does "
-                "not say: start the frontend with TOOL_CALL_PARSER (hermes, llama3_json or mistral), or use "
-                "tool_choice required or a named tool", "tool_choice")
-        return AnswerParsing(reasoning, PARSERS[context.tool_call_parser])
-    return AnswerParsing(reasoning)
 
 
 def check_token_ids(ids: list[int], context: ModelContext, param: str) -> None:
