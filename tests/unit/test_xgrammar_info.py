@@ -2,10 +2,9 @@
 
 Checked on the two tokenizer families built locally (the demo checkpoint's byte-level BPE and a
 Llama-2-style SentencePiece with byte fallback) and on small hand-made tokenizers for the edge cases
-(ids without a token, model vocabulary larger or smaller than the tokenizer's, no eos). xgrammar itself
-is not a dependency yet; fed to `xgrammar.TokenizerInfo` the way TensorRT-LLM's guidedDecoder.cpp does,
-this info agreed with xgrammar 0.1.25's own `from_huggingface` (vocab type, size, stop ids, decoded vocab,
-the JSON grammar's first bitmask) when tried by hand.
+(ids without a token, model vocabulary larger or smaller than the tokenizer's, no eos), and by xgrammar
+itself (pinned for the CPU engine): fed this file the way TensorRT-LLM's guidedDecoder.cpp feeds it, it must
+describe the tokenizer as its own `TokenizerInfo.from_huggingface` does.
 """
 
 from __future__ import annotations
@@ -186,3 +185,35 @@ def test_written_file_is_readable_by_others(demo_dir: Path, tmp_path: Path) -> N
     finally:
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o644  # not a temporary file's 0600
+
+
+@pytest.mark.parametrize("family", ["demo", "sentencepiece"])
+def test_xgrammar_reads_it_as_it_reads_the_tokenizer_itself(family: str, request: pytest.FixtureRequest) -> None:
+    """xgrammar (pinned for the CPU engine), fed our file as TensorRT-LLM's guidedDecoder.cpp feeds it
+    (the encoded vocab, metadata detected from tokenizer_str, the stop ids, the engine's padded vocab size),
+    describes the tokenizer exactly as its own from_huggingface does, down to the JSON grammar's first mask."""
+    import xgrammar as xgr
+
+    directory = request.getfixturevalue(f"{family}_dir")
+    tokenizer = _auto(directory)
+    info = json.loads(json.dumps(tokenizer_info(directory)))
+    padded = len(tokenizer) + 32  # an engine's padded vocabulary, as the C++ side passes it
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(info[TOKENIZER_STR])
+    ours = xgr.TokenizerInfo(info[ENCODED_VOCAB], metadata["vocab_type"], vocab_size=padded,
+                             stop_token_ids=info[STOP_TOKEN_IDS], add_prefix_space=metadata["add_prefix_space"])
+    theirs = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=padded)
+    expected_type = {"demo": xgr.VocabType.BYTE_LEVEL, "sentencepiece": xgr.VocabType.BYTE_FALLBACK}[family]
+    assert ours.vocab_type == theirs.vocab_type == expected_type
+    assert ours.vocab_size == theirs.vocab_size == padded
+    assert ours.add_prefix_space == theirs.add_prefix_space
+    assert ours.stop_token_ids == theirs.stop_token_ids == [tokenizer.eos_token_id]
+    assert ours.decoded_vocab[: len(tokenizer)] == theirs.decoded_vocab[: len(tokenizer)]
+    masks = []
+    for described in (ours, theirs):
+        matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(described).compile_builtin_json_grammar())
+        bitmask = xgr.allocate_token_bitmask(1, padded)
+        matcher.fill_next_token_bitmask(bitmask)
+        masks.append(bitmask.tolist())
+    assert masks[0] == masks[1]
+    allowed = [i for i in range(padded) if masks[0][0][i // 32] >> (i % 32) & 1]
+    assert allowed and tokenizer.eos_token_id not in allowed
