@@ -47,6 +47,12 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool]:
         type=int,
         help="tokens per engine step, prompt chunks included (default: cpu 512, trtllm 8192)",
     )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        help="cpu: tokens the paged KV cache holds, shared by all sequences (default: max-batch-size x "
+        "max-seq-len)",
+    )
     trt = parser.add_argument_group("TensorRT-LLM (--backend trtllm)")
     trt.add_argument("--max-input-len", type=int, help="longest prompt (default: max-seq-len - 1)")
     trt.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size = GPUs per engine (default: 1)")
@@ -77,6 +83,7 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool]:
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         max_num_tokens=args.max_num_tokens,
+        kv_cache_tokens=args.kv_cache_tokens,
         max_input_len=args.max_input_len,
         tp_size=args.tp_size,
         weight_only=args.weight_only,

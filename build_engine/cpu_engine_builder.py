@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from build_engine.checkpoint import CheckpointInfo
+from build_engine.errors import BuildError
 from build_engine.limits import EngineLimits
 
 ENGINE_CONFIG_FILE = "engine_config.json"
 DTYPES = ("float32", "bfloat16")
+KV_BLOCK_SIZE = 16  # tokens per KV-cache block: the prefix cache shares whole blocks
 
 
 def cpu_engine_config(
@@ -24,13 +26,21 @@ def cpu_engine_config(
     dtype: str,
     limits: EngineLimits,
     source: dict[str, str],
+    kv_cache_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """The content of ``engine_config.json`` for the CPU engine."""
+    """The content of ``engine_config.json`` for the CPU engine. ``kv_cache_tokens`` sizes the paged KV
+    cache (default: as much as max_batch_size full-length sequences, what the engine held before it was
+    paged); at least one full-length sequence must fit."""
     import torch
     import transformers
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if kv_cache_tokens is None:
+        kv_cache_tokens = limits.max_batch_size * limits.max_seq_len
+    if kv_cache_tokens < limits.max_seq_len:
+        raise BuildError(f"--kv-cache-tokens {kv_cache_tokens} is below --max-seq-len {limits.max_seq_len}: "
+                         "the KV cache must hold at least one full-length sequence")
     return {
         "backend": "cpu",
         "checkpoint_dir": str(checkpoint.directory),
@@ -40,6 +50,8 @@ def cpu_engine_config(
         "max_batch_size": limits.max_batch_size,
         "max_seq_len": limits.max_seq_len,
         "max_num_tokens": limits.max_num_tokens,
+        "kv_cache_tokens": kv_cache_tokens,
+        "kv_block_size": KV_BLOCK_SIZE,
         "source": source,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }

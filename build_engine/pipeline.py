@@ -42,6 +42,7 @@ class BuildRequest:
     max_batch_size: int | None = None
     max_seq_len: int | None = None
     max_num_tokens: int | None = None
+    kv_cache_tokens: int | None = None  # CPU engine only (TensorRT-LLM sizes its cache by memory fraction)
     # TensorRT-LLM only.
     max_input_len: int | None = None
     tp_size: int = 1
@@ -198,6 +199,9 @@ def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResu
     checkpoint, served_model_name, limits = _checkpoint_and_limits(request)
     plan: trtllm.TrtllmPlan | None = None
     if request.backend == "trtllm":
+        if request.kv_cache_tokens is not None:
+            raise BuildError("--kv-cache-tokens is for the CPU engine; TensorRT-LLM sizes its KV cache with "
+                             "kv_cache_free_gpu_mem_fraction (model_repository/values/trtllm.json)")
         plan = _trtllm_plan(request, checkpoint, limits)
         engine_config = _trtllm_engine_config(
             request, checkpoint, served_model_name, limits, plan,
@@ -213,6 +217,7 @@ def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResu
             dtype=dtype,
             limits=limits,
             source=request.source,
+            kv_cache_tokens=request.kv_cache_tokens,
         )
     values = repository_values(template_dir, request.backend, engine_config, request.engine_dir)
     # Rendered before the (long) TensorRT-LLM build: the values do not depend on its output.

@@ -37,6 +37,8 @@ def engine_values(engine_config: Mapping[str, Any], engine_dir: Path) -> dict[st
         "triton_max_batch_size": str(engine_config["max_batch_size"]),
         "max_seq_len": str(engine_config["max_seq_len"]),
         "max_num_tokens": str(engine_config["max_num_tokens"]),
+        # The CPU engine's paged KV cache; TensorRT-LLM ignores it (it sizes its own by memory fraction).
+        "cpu_kv_cache_tokens": str(engine_config.get("kv_cache_tokens", 0)),
         "served_model_name": str(engine_config["served_model_name"]),
         # TensorRT-LLM builds write it (build_engine/xgrammar_info.py); empty for the CPU engine.
         "xgrammar_tokenizer_info_path": str(engine_config.get("xgrammar_tokenizer_info") or ""),

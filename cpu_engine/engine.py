@@ -82,7 +82,8 @@ class Engine:
     def from_config(cls, config: EngineConfig, **kwargs: object) -> "Engine":
         configure_threads(config.num_threads)
         runner = LlamaRunner(config)
-        scheduler = Scheduler(runner, config.max_num_tokens, config.prefill_step_ratio)
+        scheduler = Scheduler(runner, config.max_num_tokens, config.prefill_step_ratio,
+                              enable_prefix_reuse=config.enable_prefix_reuse)
         with torch.inference_mode():  # measure this machine before the first request
             scheduler.calibrate()
         return cls(scheduler, **kwargs)

@@ -140,9 +140,9 @@ class GuideMasks:
     next. Rows are filled for all the sequences of a step at once (one call into xgrammar, then a few tensor
     operations over those rows, whatever their number)."""
 
-    def __init__(self, num_slots: int, vocab_size: int):
+    def __init__(self, rows: int, vocab_size: int):
         self.vocab_size = vocab_size
-        self.masks = xgr.allocate_token_bitmask(num_slots, vocab_size)
+        self.masks = xgr.allocate_token_bitmask(rows, vocab_size)
         self.filters = torch.zeros_like(self.masks)  # each slot's GuideState.filter
         self.stop_bits = torch.zeros_like(self.masks)  # each slot's GuideState.stop_bits
         self._batch = xgr.BatchGrammarMatcher()

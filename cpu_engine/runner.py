@@ -1,4 +1,4 @@
-"""One forward pass over a mixed batch of decode tokens and prompt chunks, with a KV cache the engine owns.
+"""One forward pass over a mixed batch of decode tokens and prompt chunks, with a paged KV cache.
 
 Hugging Face's generic forward wants one padded rectangle per call and a cache per batch, which cannot
 express "sequence A decodes its 40th token while sequence B reads the second chunk of its prompt". Like
@@ -7,10 +7,18 @@ embedding, RMSNorms, projections, MLP and rotary tables are Hugging Face's; only
 are ours), so every step is one packed forward for all active sequences:
 
 - all tokens of the step go through the linear layers together, as one [T, hidden] matrix;
-- each token's K/V is written into its sequence's slot of a cache preallocated once
-  ([slots, kv_heads, max_seq_len, head_dim] per layer);
-- decode tokens attend as one batch (keys gathered per slot, masked per sequence length); each prompt
-  chunk attends on its own with a causal mask offset by what its sequence already has in cache.
+- the KV cache is one pool of fixed-size blocks per layer ([blocks, block_size, kv_heads, head_dim] for K
+  and for V), preallocated once; a sequence's block table (which the scheduler owns, see
+  cpu_engine.kv_blocks) says which blocks hold its positions, so a sequence holds only the blocks it
+  uses and sequences with the same prefix can share its blocks;
+- each token's K/V is written to its place in its sequence's blocks; decode tokens attend as one batch
+  (each sequence's blocks gathered into a [batch, kv_heads, length, head_dim] view, masked per sequence
+  length); each prompt chunk attends on its own with a causal mask offset by what its sequence already
+  has in cache.
+
+The gather copies the blocks a step reads, once per layer. PyTorch has no CPU kernel that attends
+through a block table; what the copy costs is measured by `python -m benchmarks.engine_bench --only c`
+(see the README's CPU engine section).
 """
 
 from __future__ import annotations
@@ -37,9 +45,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class Chunk:
-    """`length` new tokens of the sequence in `slot`, whose cache already holds `start` tokens."""
+    """`length` new tokens of a sequence whose cache already holds `start` tokens; `blocks` is the
+    sequence's block table, covering at least start + length positions."""
 
-    slot: int
+    blocks: list[int]
     start: int
     length: int
 
@@ -153,48 +162,73 @@ class LlamaRunner:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.max_seq_len = config.max_seq_len
-        self.num_slots = config.max_batch_size
-        cache_shape = (len(self.layers), self.num_slots, self.num_kv_heads, self.max_seq_len, self.head_dim)
-        self.k_cache = torch.zeros(cache_shape, dtype=self.dtype)
-        self.v_cache = torch.zeros(cache_shape, dtype=self.dtype)
+        self.max_batch_size = config.max_batch_size
+        self.block_size = config.kv_block_size
+        self.num_blocks = config.kv_cache_blocks
+        cache_shape = (len(self.layers), self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        try:
+            self.k_cache = torch.zeros(cache_shape, dtype=self.dtype)
+            self.v_cache = torch.zeros(cache_shape, dtype=self.dtype)
+        except RuntimeError as exc:  # say which setting to lower, not just "out of memory"
+            raise ValueError(
+                f"cannot allocate a KV cache of {self.num_blocks * self.block_size} tokens "
+                f"({2 * torch.tensor([], dtype=self.dtype).element_size() * len(self.layers) * self.kv_size} "
+                f"bytes each): lower max_tokens_in_paged_kv_cache ({exc})") from exc
 
     @property
     def kv_cache_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
+    def _block_views(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the positions in `blocks` ([rows, blocks per row] block ids), gathered into
+        [rows, kv_heads, blocks per row x block_size, head_dim]."""
+        rows, per_row = blocks.shape
+        flat = blocks.reshape(-1)
+        shape = (rows, per_row * self.block_size, self.num_kv_heads, self.head_dim)
+        k_pool = self.k_cache[layer].view(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        v_pool = self.v_cache[layer].view(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        keys = k_pool.index_select(0, flat).view(shape).transpose(1, 2)
+        values = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
+        return keys, values
+
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], decode_slots: list[int], decode_positions: list[int],
+    def forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
                 chunks: list[Chunk], logits_rows: list[int]) -> torch.Tensor:
         """Run one step and return float32 logits for the packed rows in `logits_rows`.
 
-        The packed batch is the decode tokens (one per entry of `decode_slots`, at `decode_positions`)
-        followed by each chunk's tokens in order.
+        The packed batch is the decode tokens (one per entry of `decode_blocks`, the sequence's block table,
+        at `decode_positions`) followed by each chunk's tokens in order.
         """
-        num_decode = len(decode_slots)
+        num_decode = len(decode_blocks)
+        block_size = self.block_size
         positions = list(decode_positions)
-        token_slots = list(decode_slots)
+        places = [table[p // block_size] * block_size + p % block_size
+                  for table, p in zip(decode_blocks, decode_positions)]  # each token's row in the pool
+        chunk_blocks = []
         for chunk in chunks:
-            positions.extend(range(chunk.start, chunk.start + chunk.length))
-            token_slots.extend([chunk.slot] * chunk.length)
+            end = chunk.start + chunk.length
+            chunk_pos = torch.arange(chunk.start, end)
+            table = torch.tensor(chunk.blocks[:-(-end // block_size)], dtype=torch.long)
+            places.extend((table[chunk_pos // block_size] * block_size + chunk_pos % block_size).tolist())
+            positions.extend(range(chunk.start, end))
+            chunk_blocks.append(table[None])
         ids = torch.tensor(token_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        slots = torch.tensor(token_slots, dtype=torch.long)
+        places_t = torch.tensor(places, dtype=torch.long)
         num_tokens = ids.shape[0]
 
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, pos[None, :])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim]
 
-        decode_mask = None
+        decode_mask = decode_tables = None
         if num_decode:
             dec_len = pos[:num_decode] + 1
-            max_len = int(dec_len.max())
-            decode_mask = (torch.arange(max_len)[None, :] < dec_len[:, None])[:, None, None, :]
-            # Slots in one contiguous run (the usual case: the scheduler hands out the lowest free slots
-            # and orders decodes by slot) are read as a view instead of gathered, layer after layer.
-            first = decode_slots[0]
-            contiguous = decode_slots == list(range(first, first + num_decode))
-            dec_rows = slice(first, first + num_decode) if contiguous else slots[:num_decode]
+            per_row = -(-int(dec_len.max()) // block_size)
+            # Rows shorter than the longest are padded with block 0: masked out, never read into a result.
+            decode_tables = torch.tensor([table[:per_row] + [0] * (per_row - len(table[:per_row]))
+                                          for table in decode_blocks], dtype=torch.long)
+            decode_mask = (torch.arange(per_row * block_size)[None, :] < dec_len[:, None])[:, None, None, :]
 
         for layer_idx, layer in enumerate(self.layers):
             qkv = layer.qkv(layer.input_norm(hidden))
@@ -205,24 +239,22 @@ class LlamaRunner:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            k_cache, v_cache = self.k_cache[layer_idx], self.v_cache[layer_idx]
-            k_cache[slots, :, pos] = k
-            v_cache[slots, :, pos] = v
+            self.k_cache[layer_idx].index_copy_(0, places_t, k)
+            self.v_cache[layer_idx].index_copy_(0, places_t, v)
 
             outputs = []
             if num_decode:
-                keys = k_cache[dec_rows, :, :max_len]  # [B, kv_heads, L, head_dim]
-                values = v_cache[dec_rows, :, :max_len]
+                keys, values = self._block_views(layer_idx, decode_tables)
                 out = F.scaled_dot_product_attention(
                     q[:num_decode, :, None, :], keys, values, attn_mask=decode_mask,
                     scale=self.scale, enable_gqa=True)
                 outputs.append(out.reshape(num_decode, -1))
             offset = num_decode
-            for chunk in chunks:
+            for chunk, table in zip(chunks, chunk_blocks):
                 end = chunk.start + chunk.length
                 chunk_q = q[offset:offset + chunk.length].transpose(0, 1)[None]  # [1, heads, c, hd]
-                keys = k_cache[chunk.slot, :, :end][None]
-                values = v_cache[chunk.slot, :, :end][None]
+                keys, values = self._block_views(layer_idx, table)
+                keys, values = keys[:, :, :end], values[:, :, :end]
                 if chunk.start == 0:
                     out = F.scaled_dot_product_attention(
                         chunk_q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)

@@ -1,12 +1,22 @@
 """In-flight batching: which sequences run in the next step, and what happens to them after it.
 
 Pure engine logic with no Triton in it, so tests drive it step by step. Requests wait in a FIFO queue
-and take a KV-cache slot when one is free; a request that could never fit (prompt + output over
-max_seq_len) is refused before it takes one. Each step decodes one token for every sequence past its
+and join the batch when a batch row (`slot`, up to max_batch_size) is free and the KV-cache pool has the
+blocks for their prompt; a request that could never fit (prompt + output over max_seq_len, or over the
+whole pool) is refused before it takes anything. Each step decodes one token for every sequence past its
 prompt and spends the rest of the `max_num_tokens` budget on prompt chunks (less while others decode:
 see PrefillBudget), so a long prompt is read a chunk at a time while the other streams keep producing
-tokens. Finished and cancelled sequences leave at the end of the step and their slot is free for the next
-one.
+tokens. Finished and cancelled sequences leave at the end of the step and their row and blocks are free
+for the next one.
+
+KV memory (cpu_engine.kv_blocks): a sequence holds the blocks its tokens fill, one more each time its
+decoding crosses a block boundary. A new prompt first looks up its full blocks by content in the prefix
+cache (blocks that earlier or running requests filled with the same tokens) and reads only what it does
+not find. When decoding needs a block and none is free, the most recently admitted sequence is preempted
+(vLLM's recompute preemption): it gives its blocks back and waits at the head of the queue with what it
+has generated, and when it returns it reads its prompt and output again (mostly from the prefix cache,
+where its own blocks stay until evicted) and goes on where it was, with the same sampler state. Its
+client sees only a pause.
 
 Cancellation comes in two kinds, because request ids are labels chosen by clients and need not be unique:
 `cancel(request)` ends exactly that request (its client went away: it ends like any other request, with a
@@ -34,6 +44,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
+from cpu_engine.kv_blocks import BlockKey, BlockPool, block_keys
 from cpu_engine.runner import Chunk
 from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
 
@@ -69,9 +80,11 @@ class ResponseSink(Protocol):
 class Forward(Protocol):
     vocab_size: int
     max_seq_len: int
-    num_slots: int
+    max_batch_size: int
+    num_blocks: int
+    block_size: int
 
-    def forward(self, token_ids: list[int], decode_slots: list[int], decode_positions: list[int],
+    def forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
                 chunks: list[Chunk], logits_rows: list[int]) -> torch.Tensor: ...
 
 
@@ -98,10 +111,13 @@ class GenerationRequest:
 @dataclass
 class Sequence:
     request: GenerationRequest
-    slot: int
     generator: torch.Generator | None
+    slot: int = -1  # its batch row while running (its guided-decoding mask row)
     output: list[int] = field(default_factory=list)
-    num_cached: int = 0  # tokens whose K/V are in the slot
+    num_cached: int = 0  # tokens whose K/V are in its blocks
+    prefill_target: int = 0  # tokens to read before the next sample: the prompt, or prompt + output on resuming
+    blocks: list[int] = field(default_factory=list)  # its block table
+    keys: list[BlockKey] = field(default_factory=list)  # the content keys of its first full blocks
     guide: GuideState | None = None  # the grammar matcher of a guided request; its mask row is the slot's
 
     @property
@@ -110,7 +126,7 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_cached < len(self.request.prompt)
+        return self.num_cached < self.prefill_target
 
 
 @dataclass(frozen=True)
@@ -122,11 +138,28 @@ class EngineStats:
     queued_requests: int
     kv_cache_used_tokens: int
     kv_cache_capacity_tokens: int
+    kv_cache_blocks_used: int  # held by running sequences (shared blocks count once)
+    kv_cache_blocks_total: int
+    prefix_cache_queries_tokens_total: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_tokens_total: int  # of those, found (their prefill skipped)
+    preemptions_total: int
     last_step_tokens: int
     steps_total: int
     prompt_tokens_total: int
     generated_tokens_total: int
     cancelled_requests_total: int  # ended cancelled, waiting or running, whatever the cause
+
+    @property
+    def requests_running(self) -> int:
+        return self.active_slots
+
+    @property
+    def requests_waiting(self) -> int:
+        return self.queued_requests
+
+    @property
+    def kv_cache_usage_ratio(self) -> float:
+        return self.kv_cache_blocks_used / self.kv_cache_blocks_total if self.kv_cache_blocks_total else 0.0
 
 
 class StepCosts:
@@ -228,14 +261,16 @@ class PrefillBudget:
 
 class Scheduler:
     def __init__(self, runner: Forward, max_num_tokens: int, prefill_step_ratio: float = 1.75,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, enable_prefix_reuse: bool = True):
         self.runner = runner
         self.max_num_tokens = max(max_num_tokens, 1)
         self.prefill_budget = PrefillBudget(prefill_step_ratio)
         self._clock = clock
         self.waiting: deque[GenerationRequest] = deque()
-        self.running: list[Sequence] = []
-        self.free_slots: list[int] = list(range(runner.num_slots))
+        self.preempted: deque[Sequence] = deque()  # resume before anything in `waiting`, oldest first
+        self.running: list[Sequence] = []  # in the order they were admitted
+        self.free_slots: list[int] = list(range(runner.max_batch_size))
+        self.blocks = BlockPool(runner.num_blocks, runner.block_size, enable_prefix_reuse)
         # id(request) -> (request, error message or None for a plain cancelled end); holding the request
         # keeps its id from being reused before the mark is consumed at the next step boundary.
         self._cancel_marks: dict[int, tuple[GenerationRequest, str | None]] = {}
@@ -247,33 +282,39 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
         self.cancelled_requests_total = 0
+        self.prefix_cache_queries_tokens_total = 0
+        self.prefix_cache_hits_tokens_total = 0
+        self.preemptions_total = 0
 
     def calibrate(self, context: int = 64, repeats: int = 2) -> None:
         """Time plain decode steps at a few batch sizes and one mixed step, so the prefill budget is right
         from the first busy step (a burst onto an idle engine never runs a plain step to learn from).
 
-        Runs on the empty cache before any request: the slots hold zeros, which cost the same to attend
-        to as real keys, and each request overwrites its slot from position 0.
+        Runs before any request, on blocks no sequence holds: what it writes there is never read (a
+        sequence reads only positions it wrote or blocks the prefix cache registered).
         """
         if self.running or self.waiting:
             raise RuntimeError("calibrate() runs on an idle engine only")
         context = min(context, self.runner.max_seq_len - 1)
-        sizes = sorted({min(n, self.runner.num_slots) for n in (1, 2, 4, 8, 16, 32, self.runner.num_slots)})
-        mixed = sizes[-1] // 2  # a half-full batch decoding (slots from 0) while the last slot reads a chunk
-        chunk = Chunk(slot=sizes[-1] - 1, start=0, length=min(context, self.max_num_tokens))
+        max_batch = self.runner.max_batch_size
+        sizes = sorted({min(n, max_batch) for n in (1, 2, 4, 8, 16, 32, max_batch)})
+        per_row = -(-(context + 1) // self.runner.block_size)
+        tables = [[(row * per_row + i) % self.runner.num_blocks for i in range(per_row)] for row in range(max_batch)]
+        mixed = sizes[-1] // 2  # a half-full batch decoding while the last row reads a chunk
+        chunk = Chunk(tables[sizes[-1] - 1], start=0, length=min(context, self.max_num_tokens))
         for _ in range(repeats):
             for n in sizes:
-                self._timed_forward([1] * n, list(range(n)), [context] * n, [])
+                self._timed_forward([1] * n, tables[:n], [context] * n, [])
             if mixed:
-                self._timed_forward([1] * (mixed + chunk.length), list(range(mixed)), [context] * mixed, [chunk])
+                self._timed_forward([1] * (mixed + chunk.length), tables[:mixed], [context] * mixed, [chunk])
 
-    def _timed_forward(self, token_ids: list[int], decode_slots: list[int], decode_positions: list[int],
+    def _timed_forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
                        chunks: list[Chunk], logits_rows: list[int] | None = None) -> torch.Tensor:
         """One forward pass; its time teaches the prefill budget what steps cost."""
-        rows = list(range(len(decode_slots))) if logits_rows is None else logits_rows
+        rows = list(range(len(decode_blocks))) if logits_rows is None else logits_rows
         started = self._clock()
-        logits = self.runner.forward(token_ids, decode_slots, decode_positions, chunks, rows)
-        self.prefill_budget.observe(self._clock() - started, len(decode_slots),
+        logits = self.runner.forward(token_ids, decode_blocks, decode_positions, chunks, rows)
+        self.prefill_budget.observe(self._clock() - started, len(decode_blocks),
                                     sum(chunk.length for chunk in chunks))
         return logits
 
@@ -288,6 +329,14 @@ class Scheduler:
             raise RequestError(
                 f"prompt length ({prompt_len}) + request_output_len ({request.max_new_tokens}) exceeds "
                 f"the engine's max_seq_len ({self.runner.max_seq_len})")
+        block_size = self.runner.block_size
+        # Its last token is sampled, never read back: it needs no place in the cache.
+        needed = -(-(prompt_len + request.max_new_tokens - 1) // block_size)
+        if needed > self.blocks.num_blocks:
+            raise RequestError(
+                f"prompt length ({prompt_len}) + request_output_len ({request.max_new_tokens}) exceeds "
+                f"the engine's KV cache: it needs {needed} blocks of {block_size} tokens and the cache has "
+                f"{self.blocks.num_blocks} (max_tokens_in_paged_kv_cache)")
         vocab = self.runner.vocab_size
         bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
         if bad is not None:
@@ -325,6 +374,8 @@ class Scheduler:
         seq = next((s for s in self.running if s.request is request), None)
         if seq is not None:
             self._release(seq)
+        elif any(s.request is request for s in self.preempted):
+            self.preempted = deque(s for s in self.preempted if s.request is not request)
         elif any(r is request for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if r is not request)
         else:
@@ -338,23 +389,28 @@ class Scheduler:
         failed = self.live_requests()
         for seq in list(self.running):
             self._release(seq)
-        self.waiting = deque()
+        self.waiting, self.preempted = deque(), deque()
         self._cancel_marks = {}
         for request in failed:
             send_error_safely(request, message)
         return failed
 
     def live_requests(self) -> list[GenerationRequest]:
-        """Every request in the engine: running first, then waiting in order."""
-        return [s.request for s in self.running] + list(self.waiting)
+        """Every request in the engine: running first, then preempted and waiting in order."""
+        return [s.request for s in self.running] + [s.request for s in self.preempted] + list(self.waiting)
 
     def stats(self) -> EngineStats:
         return EngineStats(
             active_slots=len(self.running),
-            max_slots=self.runner.num_slots,
-            queued_requests=len(self.waiting),
+            max_slots=self.runner.max_batch_size,
+            queued_requests=len(self.waiting) + len(self.preempted),
             kv_cache_used_tokens=sum(s.num_cached for s in self.running),
-            kv_cache_capacity_tokens=self.runner.num_slots * self.runner.max_seq_len,
+            kv_cache_capacity_tokens=self.blocks.num_blocks * self.blocks.block_size,
+            kv_cache_blocks_used=self.blocks.num_used,
+            kv_cache_blocks_total=self.blocks.num_blocks,
+            prefix_cache_queries_tokens_total=self.prefix_cache_queries_tokens_total,
+            prefix_cache_hits_tokens_total=self.prefix_cache_hits_tokens_total,
+            preemptions_total=self.preemptions_total,
             last_step_tokens=self.last_step_tokens,
             steps_total=self.steps,
             prompt_tokens_total=self.prompt_tokens_total,
@@ -364,30 +420,91 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.preempted or self.running)
 
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
-            request = self.waiting.popleft()
-            seed = request.sampling.seed
-            generator = None
-            if not request.sampling.greedy:
-                generator = torch.Generator().manual_seed(
-                    seed if seed is not None else self._seed_source.getrandbits(63))
-            seq = Sequence(request, self.free_slots.pop(0), generator)
+        """Preempted sequences first, then waiting requests in order, while a row is free and the pool has
+        the blocks of the next one's prompt; the queue's head waits rather than being overtaken."""
+        while self.free_slots and (self.preempted or self.waiting):
+            seq = self.preempted[0] if self.preempted else self._new_sequence(self.waiting[0])
+            if not self._take_blocks(seq, count_query=not self.preempted):
+                return
+            (self.preempted if self.preempted else self.waiting).popleft()
+            seq.slot = self.free_slots.pop(0)
             self.running.append(seq)
-            if request.guide is not None:
+            if seq.request.guide is not None:
                 self._start_guide(seq)
 
+    def _new_sequence(self, request: GenerationRequest) -> Sequence:
+        generator = None
+        if not request.sampling.greedy:
+            seed = request.sampling.seed
+            generator = torch.Generator().manual_seed(seed if seed is not None else self._seed_source.getrandbits(63))
+        return Sequence(request, generator)
+
+    def _take_blocks(self, seq: Sequence, count_query: bool) -> bool:
+        """Give `seq` the blocks of everything it must read before its next sample: the full blocks the
+        prefix cache has (at most up to its last token, which must be computed for its logits), fresh
+        blocks for the rest. False (nothing taken) if the pool cannot spare them while keeping one block
+        per running sequence for its next decode step."""
+        tokens = seq.tokens
+        block_size = self.blocks.block_size
+        keys = block_keys(tokens[:len(tokens) - 1], block_size) if self.blocks.enable_reuse else []
+        cached = self.blocks.match_prefix(keys)
+        needed = -(-len(tokens) // block_size) - len(cached)
+        if needed + len(self.running) > self.blocks.num_free:
+            self.blocks.release(cached)
+            return False
+        seq.blocks = cached + self.blocks.allocate(needed)
+        seq.keys = keys[:len(cached)]
+        seq.num_cached = len(cached) * block_size
+        seq.prefill_target = len(tokens)
+        if count_query:
+            self.prefix_cache_queries_tokens_total += len(tokens)
+            self.prefix_cache_hits_tokens_total += seq.num_cached
+        return True
+
+    def _grow(self, decode: list[Sequence]) -> list[Sequence]:
+        """Give every decoding sequence whose next token starts a block that block, oldest first; when the
+        pool is empty, preempt the newest running sequence (which may be the one asking). Returns the
+        sequences still decoding."""
+        for seq in decode:
+            while seq in self.running and seq.num_cached // self.blocks.block_size >= len(seq.blocks):
+                if self.blocks.num_free:
+                    seq.blocks.extend(self.blocks.allocate(1))
+                else:
+                    self._preempt(self.running[-1])
+        return [seq for seq in decode if seq in self.running]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Take a sequence out to free its blocks; it keeps its output, sampler and grammar state and goes
+        back to the head of the queue (before the ones preempted earlier in this step, which are newer)."""
+        self._release(seq)
+        seq.blocks, seq.keys, seq.num_cached = [], [], 0
+        self.preempted.appendleft(seq)
+        self.preemptions_total += 1
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Offer the blocks its tokens have filled to the prefix cache, so later prompts can share them."""
+        block_size = self.blocks.block_size
+        full = seq.num_cached // block_size
+        if not self.blocks.enable_reuse or len(seq.keys) >= full:
+            return
+        tokens = seq.tokens
+        for index in range(len(seq.keys), full):
+            key = BlockKey(seq.keys[-1] if seq.keys else None, tuple(tokens[index * block_size:(index + 1) * block_size]))
+            seq.keys.append(self.blocks.register(seq.blocks[index], key))
+
     def _start_guide(self, seq: Sequence) -> None:
-        """Give a guided sequence its matcher and its first mask; one whose grammar allows nothing but the end
-        ends at once, without a token."""
+        """Give a guided sequence its matcher (kept when it is preempted) and its mask row; one whose grammar
+        allows nothing but the end ends at once, without a token."""
         from cpu_engine.guided import GuideMasks
 
         if self._guide_masks is None:
-            self._guide_masks = GuideMasks(self.runner.num_slots, self.runner.vocab_size)
+            self._guide_masks = GuideMasks(self.runner.max_batch_size, self.runner.vocab_size)
         try:
-            seq.guide = seq.request.guide.start(seq.request.end_id)
+            if seq.guide is None:
+                seq.guide = seq.request.guide.start(seq.request.end_id)
             self._guided += 1
             status = self._guide_masks.start(seq.guide, seq.slot)
         except Exception as exc:  # xgrammar failing on one request must not stop the others
@@ -408,9 +525,13 @@ class Scheduler:
         if not self._cancel_marks:
             return
         marks, self._cancel_marks = self._cancel_marks, {}
-        ended = [r for r in self.waiting if id(r) in marks]
+        ended = [s.request for s in self.preempted if id(s.request) in marks]
         if ended:
+            self.preempted = deque(s for s in self.preempted if id(s.request) not in marks)
+        waiting_ended = [r for r in self.waiting if id(r) in marks]
+        if waiting_ended:
             self.waiting = deque(r for r in self.waiting if id(r) not in marks)
+            ended += waiting_ended
         for seq in [s for s in self.running if id(s.request) in marks]:
             self._release(seq)
             ended.append(seq.request)
@@ -423,12 +544,15 @@ class Scheduler:
                 request.sink.send_error(message)
 
     def _release(self, seq: Sequence) -> None:
-        """Take a sequence out of the batch; its slot goes back to the pool (lowest first)."""
+        """Take a sequence out of the batch; its row goes back (lowest first) and its blocks to the pool,
+        where the full ones stay in the prefix cache until evicted."""
         self.running.remove(seq)
         if seq.guide is not None:
             self._guided -= 1
         self.free_slots.append(seq.slot)
         self.free_slots.sort()
+        self.blocks.release(seq.blocks)
+        seq.blocks = []
 
     def _finish(self, sequences: list[Sequence], reason: FinishReason) -> None:
         for seq in sequences:
@@ -440,25 +564,26 @@ class Scheduler:
         """Admit, run one forward pass for every active sequence, sample, emit, retire."""
         self._drop_cancelled()
         self._admit()
+        decode = self._grow([s for s in self.running if not s.in_prefill])
         if not self.running:
             return
-        decode = sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.slot)
+        decode.sort(key=lambda s: s.slot)
         budget = self.max_num_tokens - len(decode)
         if decode:  # others are streaming: read prompts only as fast as keeps their latency steady
             budget = min(budget, self.prefill_budget.tokens(len(decode), len(self.running) - len(decode)))
-        token_ids = [s.tokens[-1] for s in decode]
-        decode_slots = [s.slot for s in decode]
+        token_ids = [s.output[-1] for s in decode]
+        decode_blocks = [s.blocks for s in decode]
         decode_positions = [s.num_cached for s in decode]
         chunks: list[Chunk] = []
         chunk_seqs: list[Sequence] = []
         for seq in self.running:
             if not seq.in_prefill or budget <= 0:
                 continue
-            prompt = seq.request.prompt
-            length = min(budget, len(prompt) - seq.num_cached)
-            chunks.append(Chunk(seq.slot, seq.num_cached, length))
+            tokens = seq.tokens if seq.output else seq.request.prompt
+            length = min(budget, seq.prefill_target - seq.num_cached)
+            chunks.append(Chunk(seq.blocks, seq.num_cached, length))
             chunk_seqs.append(seq)
-            token_ids.extend(prompt[seq.num_cached:seq.num_cached + length])
+            token_ids.extend(tokens[seq.num_cached:seq.num_cached + length])
             budget -= length
 
         # Rows whose last logit picks a token: every decode token, and each chunk that ends its prompt.
@@ -467,16 +592,18 @@ class Scheduler:
         row = len(decode)
         for seq, chunk in zip(chunk_seqs, chunks):
             row += chunk.length
-            if chunk.start + chunk.length == len(seq.request.prompt):
+            if chunk.start + chunk.length == seq.prefill_target:
                 sampled.append(seq)
                 logits_rows.append(row - 1)
 
         try:
-            logits = self._timed_forward(token_ids, decode_slots, decode_positions, chunks, logits_rows)
+            logits = self._timed_forward(token_ids, decode_blocks, decode_positions, chunks, logits_rows)
             for seq in decode:
                 seq.num_cached += 1
             for seq, chunk in zip(chunk_seqs, chunks):
                 seq.num_cached += chunk.length
+            for seq in decode + chunk_seqs:
+                self._register_full_blocks(seq)
             if sampled:
                 guided = None
                 if self._guided:

@@ -45,6 +45,7 @@ ENGINE_CLIENT_ERRORS = (
     "input_ids is empty",
     "request_output_len must be at least 1",
     "exceeds the engine's max_seq_len",
+    "exceeds the engine's KV cache",
     "outside the vocabulary",
     "exceeds maximum input length",
     "invalid guided_decoding_guide",  # the CPU engine's grammar compiler refused the guide

@@ -82,14 +82,17 @@ def prompt_of(length: int, offset: int = 0) -> list[int]:
 
 def test_runner_matches_hugging_face_forward(checkpoint: Path) -> None:
     model = LlamaForCausalLM.from_pretrained(checkpoint)
-    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64))
-    prompt = prompt_of(9)
+    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4))
+    prompt = prompt_of(11)
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0]
-    first = runner.forward(prompt[:4], [], [], [Chunk(1, 0, 4)], [0, 1, 2, 3])
-    second = runner.forward(prompt[4:], [], [], [Chunk(1, 4, 5)], [4])
-    torch.testing.assert_close(first, expected[:4], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(second[0], expected[-1], atol=1e-4, rtol=1e-4)
+    table = [17, 3, 30]  # blocks anywhere in the pool, in any order
+    first = runner.forward(prompt[:5], [], [], [Chunk(table, 0, 5)], [0, 1, 2, 3, 4])
+    second = runner.forward(prompt[5:10], [], [], [Chunk(table, 5, 5)], [4])
+    third = runner.forward(prompt[10:], [table], [10], [], [0])  # the last token as a decode token
+    torch.testing.assert_close(first, expected[:5], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(second[0], expected[9], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(third[0], expected[10], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl-fallback"])

@@ -217,8 +217,13 @@ class EngineMetrics:
         "active_slots": "KV-cache slots held by running requests",
         "max_slots": "KV-cache slots in the engine (max_batch_size)",
         "queued_requests": "requests waiting for a slot",
-        "kv_cache_used_tokens": "tokens held in the KV cache",
-        "kv_cache_capacity_tokens": "tokens the KV cache can hold (slots x max_seq_len)",
+        "kv_cache_used_tokens": "tokens held in the KV cache by running requests",
+        "kv_cache_capacity_tokens": "tokens the KV cache can hold (cpu_kv_cache_tokens, in whole blocks)",
+        "kv_cache_blocks_used": "KV-cache blocks held by running requests (a block shared by several counts once)",
+        "kv_cache_blocks_total": "KV-cache blocks in the engine",
+        "kv_cache_usage_ratio": "KV-cache blocks used / total (0..1), for routers and autoscalers",
+        "requests_running": "requests in the running batch",
+        "requests_waiting": "requests waiting to run (queued or preempted)",
         "last_step_tokens": "tokens in the most recent engine step (decode tokens + prompt chunks)",
     }
     COUNTERS = {
@@ -227,6 +232,10 @@ class EngineMetrics:
         "generated_tokens_total": "tokens generated",
         "cancelled_requests_total": "requests that ended cancelled, waiting or running (client gone or a stop "
                                     "request)",
+        "prefix_cache_queries_tokens_total": "prompt tokens looked up in the prefix cache",
+        "prefix_cache_hits_tokens_total": "prompt tokens found in the prefix cache (their prefill skipped)",
+        "preemptions_total": "running requests set back to wait because the KV cache was full (they resume "
+                             "where they were)",
     }
 
     def __init__(self, model_name: str):
@@ -263,7 +272,9 @@ class TritonPythonModel:
         engine_config = EngineConfig.from_engine_dir(
             engine_dir, num_threads=int(_param(config, "cpu_num_threads", "0") or 0),
             max_num_tokens=int(_param(config, "max_num_tokens", "0") or 0),
-            prefill_step_ratio=float(_param(config, "cpu_prefill_step_ratio", "1.75") or 1.75))
+            prefill_step_ratio=float(_param(config, "cpu_prefill_step_ratio", "1.75") or 1.75),
+            kv_cache_tokens=int(_param(config, "cpu_kv_cache_tokens", "0") or 0),
+            enable_prefix_reuse=_param(config, "enable_kv_cache_reuse", "true").lower() == "true")
         self.model_name = args["model_name"]
         guided_backend = _param(config, "guided_decoding_backend", "")
         if guided_backend not in ("", "xgrammar"):
