@@ -11,14 +11,11 @@ are ours), so every step is one packed forward for all active sequences:
   and for V), preallocated once; a sequence's block table (which the scheduler owns, see
   cpu_engine.kv_blocks) says which blocks hold its positions, so a sequence holds only the blocks it
   uses and sequences with the same prefix can share its blocks;
-- each token's K/V is written to its place in its sequence's blocks; decode tokens attend as one batch
-  (each sequence's blocks gathered into a [batch, kv_heads, length, head_dim] view, masked per sequence
-  length); each prompt chunk attends on its own with a causal mask offset by what its sequence already
-  has in cache.
-
-The gather copies the blocks a step reads, once per layer. PyTorch has no CPU kernel that attends
-through a block table; what the copy costs is measured by `python -m benchmarks.engine_bench --only c`
-(see the README's CPU engine section).
+- each token's K/V is written to its place in its sequence's blocks; decode tokens attend as one batch,
+  reading the pool in place through their block tables (cpu_engine.paged_attention; a bfloat16 engine
+  gathers each sequence's blocks into a [batch, kv_heads, length, head_dim] tensor instead); each prompt
+  chunk attends on its own, over its blocks gathered, with a causal mask offset by what its sequence
+  already has in cache.
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cpu_engine.config import EngineConfig
+from cpu_engine.paged_attention import paged_decode_attention
 
 # Architectures whose decoder layer is Llama's: RMSNorm, rotary, GQA attention (optional q/k/v bias,
 # optional per-head q/k norm), gated MLP.
@@ -175,6 +173,9 @@ class LlamaRunner:
                 f"({2 * torch.tensor([], dtype=self.dtype).element_size() * len(self.layers) * self.kv_size} "
                 f"bytes each): lower max_tokens_in_paged_kv_cache ({exc})") from exc
 
+        # Decode attention reads the pool in place (float32); bfloat16 gathers (see the module docstring).
+        self.in_place_decode = self.dtype == torch.float32
+
     @property
     def kv_cache_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
@@ -221,14 +222,16 @@ class LlamaRunner:
         cos, sin = self.rotary(hidden, pos[None, :])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim]
 
-        decode_mask = decode_tables = None
+        decode_mask = decode_tables = dec_len = None
         if num_decode:
             dec_len = pos[:num_decode] + 1
             per_row = -(-int(dec_len.max()) // block_size)
-            # Rows shorter than the longest are padded with block 0: masked out, never read into a result.
+            # Rows shorter than the longest are padded with block 0: never read (the kernel stops at each
+            # row's length; the gather path masks them out).
             decode_tables = torch.tensor([table[:per_row] + [0] * (per_row - len(table[:per_row]))
                                           for table in decode_blocks], dtype=torch.long)
-            decode_mask = (torch.arange(per_row * block_size)[None, :] < dec_len[:, None])[:, None, None, :]
+            if not self.in_place_decode:
+                decode_mask = (torch.arange(per_row * block_size)[None, :] < dec_len[:, None])[:, None, None, :]
 
         for layer_idx, layer in enumerate(self.layers):
             qkv = layer.qkv(layer.input_norm(hidden))
@@ -243,7 +246,11 @@ class LlamaRunner:
             self.v_cache[layer_idx].index_copy_(0, places_t, v)
 
             outputs = []
-            if num_decode:
+            if num_decode and self.in_place_decode:
+                out = paged_decode_attention(q[:num_decode], self.k_cache[layer_idx], self.v_cache[layer_idx],
+                                             decode_tables, dec_len, block_size, self.scale)
+                outputs.append(out.reshape(num_decode, -1))
+            elif num_decode:
                 keys, values = self._block_views(layer_idx, decode_tables)
                 out = F.scaled_dot_product_attention(
                     q[:num_decode, :, None, :], keys, values, attn_mask=decode_mask,

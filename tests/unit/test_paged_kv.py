@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cpu_engine.config import EngineConfig
-from cpu_engine.runner import LlamaRunner
+from cpu_engine.runner import Chunk, LlamaRunner
 from cpu_engine.sampling import SamplingParams
 from cpu_engine.scheduler import FinishReason, RequestError, Scheduler
 from tests.unit.test_cpu_engine import VOCAB, checkpoint, prompt_of, request, run_until_done  # noqa: F401
@@ -183,3 +183,38 @@ def test_no_block_leaks_after_many_random_lifetimes() -> None:
     assert_no_blocks_held(scheduler)
     assert scheduler.preemptions_total > 0 and scheduler.prefix_cache_hits_tokens_total > 0
     assert all(r.sink.done.is_set() for r in live)
+
+
+def test_in_place_decode_attention_matches_pytorch_over_gathered_blocks() -> None:
+    """The numba kernel against F.scaled_dot_product_attention over the same blocks gathered: ragged
+    lengths (one a single position), scattered block tables, grouped-query heads."""
+    from cpu_engine.paged_attention import paged_decode_attention
+
+    generator = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, block, blocks = 6, 2, 16, 4, 40
+    k_pool = torch.randn(blocks * block, kv_heads, dim, generator=generator)
+    v_pool = torch.randn(blocks * block, kv_heads, dim, generator=generator)
+    lengths = torch.tensor([1, 13, 32, 7])
+    tables = torch.randperm(blocks, generator=generator)[:4 * 8].view(4, 8)
+    q = torch.randn(4, heads, dim, generator=generator)
+    got = paged_decode_attention(q, k_pool, v_pool, tables, lengths, block, 0.25)
+    for row, length in enumerate(lengths.tolist()):
+        places = (tables[row, torch.arange(length) // block] * block + torch.arange(length) % block)
+        keys, values = k_pool[places].transpose(0, 1), v_pool[places].transpose(0, 1)  # [kv_heads, L, dim]
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[row][:, None, :], keys, values, scale=0.25, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(got[row], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_in_place_decode_and_the_gather_path_give_the_same_logits(checkpoint: Path) -> None:
+    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=3, max_seq_len=64, kv_block_size=4))
+    assert runner.in_place_decode  # float32
+    tables = [[9, 2, 14, 5], [0, 7, 11, 3], [6, 1, 12, 8]]
+    prompts = [prompt_of(n, offset=n) for n in (5, 11, 14)]
+    for table, prompt in zip(tables, prompts):
+        runner.forward(prompt, [], [], [Chunk(table, 0, len(prompt))], [len(prompt) - 1])
+    positions = [len(p) for p in prompts]
+    in_place = runner.forward([3, 4, 5], tables, positions, [], [0, 1, 2])
+    runner.in_place_decode = False
+    gathered = runner.forward([3, 4, 5], tables, positions, [], [0, 1, 2])
+    torch.testing.assert_close(in_place, gathered, atol=1e-4, rtol=1e-4)
