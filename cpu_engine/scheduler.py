@@ -108,7 +108,7 @@ class GenerationRequest:
     guide: CompiledGuide | None = None  # guided decoding (cpu_engine.guided), compiled before submission
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the batch's lists find and remove exactly this one
 class Sequence:
     request: GenerationRequest
     generator: torch.Generator | None
