@@ -1,7 +1,8 @@
 """The CPU engine against its ceiling and its floor, measured in one run on one machine.
 
-    python -m benchmarks.engine_bench [--engine-dir build/bench] [--quick]
+    python -m benchmarks.engine_bench [--engine-dir build/bench] [--only base,a,b,c,d] [--quick] [--json out.json]
 
+base:
 1. ceiling: plain Hugging Face forward + KV cache, batched decode steps, no server (batch 1 and 16); next
    to it, the same plain decode steps through the engine's own runner;
 2. floor: serial `model.generate`, one request at a time (what a naive server does);
@@ -10,26 +11,43 @@
    latency p99 during its prefill against their p50, token by token from raw Triton (what the engine
    does), then text chunk by text chunk through the frontend (what an OpenAI client sees).
 
+The prefix-reuse scenarios (benchmarks/engine_scenarios.py), each selectable alone with --only:
+a. TTFT of a chat request whose 1,500-token system prompt is cached (sent before, with another user turn)
+   against one never seen (a fresh nonce at its start), medians of several repetitions and their ratio;
+b. 16 concurrent users behind one 1,000-token system prompt (own short question, 64 output tokens):
+   tokens/s and TTFT with the engine's `enable_kv_cache_reuse` on, then off (a rewritten copy of the
+   model repository, a second Triton after the first has stopped);
+c. the stack at concurrency 1 and 16 against the engine's plain decode steps at batch 1 and 16, and the
+   batch-1 step time against its memory bound: the runner's weight bytes / this machine's read bandwidth;
+d. concurrency 64 on an engine of 64 slots whose KV cache holds 32 full-length sequences
+   (`--max-batch-size 64 --kv-cache-tokens 32 x max_seq_len`, built into ENGINE_DIR-c64 once), with the
+   engine's metrics (running, waiting, KV blocks, prefix-cache hits) sampled from Triton's metrics port.
+
 Every figure comes from this run, so the ratios compare like with like on a shared, noisy machine, and
 each of the ceiling, floor and stack figures is the best of several runs (3 for the ceilings, 2 for the floor and
 the stack levels; every run is printed): a burst of someone else's load can only slow a run down, so the
 best run is the closest to what the machine does, and taking it on both sides of a ratio keeps it fair.
+Servers run one at a time, so nothing competes with what is being measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import json
 import tempfile
 import time
+import traceback
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 import httpx
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks import engine_scenarios as scenarios
 from benchmarks import servers
 from benchmarks.loadgen import DEFAULT_PROMPTS, TritonTarget, percentile, run_level
 from cpu_engine.config import EngineConfig
@@ -39,6 +57,11 @@ DECODE_STEPS = 48
 CEILING_RUNS, FLOOR_RUNS, STACK_RUNS = 3, 2, 2
 OUTPUT_TOKENS = 64
 LONG_PROMPT, STREAMS = 1500, 15  # the chunked-prefill scenario
+CACHED_SYSTEM_PROMPT, PREFIX_REPS, PREFIX_REPS_QUICK, GOAL_PREFIX_RATIO = 1500, 7, 3, 0.2  # (a)
+SHARED_SYSTEM_PROMPT, SHARED_USERS = 1000, 16  # (b)
+GOAL_STACK_RATIO, LONG_CONTEXT = 0.85, 1024  # (c)
+BANDWIDTH_GIB, BANDWIDTH_GIB_QUICK, BANDWIDTH_RUNS = 2.0, 1.0, 5  # (c)
+C64_CONCURRENCY, C64_KV_SLOTS = 64, 32  # (d): 64 at once in the KV memory of 32 full-length sequences
 
 
 def load_model(checkpoint: Path, dtype: str) -> torch.nn.Module:
@@ -62,21 +85,32 @@ def ceiling_tokens_per_s(model: torch.nn.Module, batch: int, steps: int = DECODE
 
 
 @torch.inference_mode()
-def runner_tokens_per_s(runner: LlamaRunner, batch: int, steps: int = DECODE_STEPS) -> float:
+def runner_tokens_per_s(runner: LlamaRunner, batch: int, steps: int = DECODE_STEPS, context: int = 0) -> float:
     """Tokens/s of plain decode steps through the engine's own forward (no scheduler, no server): what
-    the engine's kernels give, to read next to the Hugging Face ceiling."""
+    the engine's kernels give, to read next to the Hugging Face ceiling. Each sequence first reads a
+    32-token prompt; with `context` > 0 it instead decodes from position `context` on, over a cache left
+    as it is (the figures do not depend on what the cache holds): what attention over a long context costs.
+    Sequence s holds blocks s x n .. s x n + n - 1 of the pool."""
     prompt = list(range(10, 42))
-    for slot in range(batch):
-        runner.forward(prompt, [], [], [Chunk(slot, 0, len(prompt))], [len(prompt) - 1])
-    slots = list(range(batch))
+    first = context or len(prompt)
+    end = first + 3 + steps
+    rows = list(range(batch))
+    per_sequence = -(-end // runner.block_size)
+    if batch * per_sequence > runner.num_blocks:
+        raise ValueError(f"{batch} sequences of {end} tokens need {batch * per_sequence} KV blocks; "
+                         f"the runner has {runner.num_blocks}")
+    tables = [list(range(s * per_sequence, (s + 1) * per_sequence)) for s in rows]
+    if not context:
+        for table in tables:
+            runner.forward(prompt, [], [], [Chunk(table, 0, len(prompt))], [len(prompt) - 1])
 
     def step(position: int) -> None:
-        runner.forward([5] * batch, slots, [position] * batch, [], slots)
+        runner.forward([5] * batch, tables, [position] * batch, [], rows)
 
-    for position in range(len(prompt), len(prompt) + 3):  # warm-up
+    for position in range(first, first + 3):  # warm-up
         step(position)
     start = time.perf_counter()
-    for position in range(len(prompt) + 3, len(prompt) + 3 + steps):
+    for position in range(first + 3, end):
         step(position)
     return batch * steps / (time.perf_counter() - start)
 
@@ -191,68 +225,353 @@ async def stack_levels(base_url: str, model: str, concurrencies: list[int], quic
     return rows
 
 
+SCENARIOS = ("base", "a", "b", "c", "d")
+
+
+def parse_only(value: str) -> list[str]:
+    chosen = [part.strip() for part in value.split(",") if part.strip()]
+    unknown = [part for part in chosen if part not in SCENARIOS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"--only takes a comma-separated subset of {','.join(SCENARIOS)}")
+    return chosen
+
+
+def runs_of(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
+
+
+@contextlib.contextmanager
+def stack(model_repository: Path, engine_dir: Path, logs: Path,
+          label: str) -> Iterator[tuple[servers.TritonEndpoints, str]]:
+    """Triton on `model_repository`, then the frontend on it: (Triton's endpoints, the OpenAI base URL)."""
+    reuse = servers.repository_parameter(model_repository, scenarios.ENGINE_MODEL, scenarios.REUSE_KEY)
+    print(f"\n[{label}] starting Triton + frontend ({scenarios.REUSE_KEY}={reuse}, {model_repository})", flush=True)
+    log_dir = logs / label
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with servers.triton(model_repository, engine_dir, log_dir) as triton:
+        with servers.frontend(triton.grpc_url, log_dir) as base_url:
+            yield triton, base_url
+
+
+@contextlib.contextmanager
+def repository_with_reuse(model_repository: Path, reuse: str) -> Iterator[Path]:
+    """The rendered repository if its enable_kv_cache_reuse already is `reuse`, else a rewritten copy."""
+    current = servers.repository_parameter(model_repository, scenarios.ENGINE_MODEL, scenarios.REUSE_KEY)
+    if current == reuse:
+        yield model_repository
+        return
+    with servers.repository_copy(model_repository, scenarios.ENGINE_MODEL, {scenarios.REUSE_KEY: reuse}) as copy:
+        yield copy
+
+
+def guarded(name: str, results: dict, run: Callable[[], object]) -> None:
+    """Run one scenario; a failure is printed and recorded, and the others still run."""
+    try:
+        results[name] = run()
+    except Exception as exc:  # noqa: BLE001: a benchmark reports what it could measure
+        traceback.print_exc()
+        print(f"({name}) FAILED: {type(exc).__name__}: {exc}", flush=True)
+        results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def run_prefix_ttft(base_url: str, model: str, tokenizer: object, metrics_url: str, max_seq_len: int,
+                    quick: bool) -> dict:
+    tokens = scenarios.fit_prompt(CACHED_SYSTEM_PROMPT, max_seq_len, reserve=64)
+    print(f"(a) cached vs cold system prompt: {tokens} tokens, {PREFIX_REPS_QUICK if quick else PREFIX_REPS} "
+          f"repetitions, one output token each", flush=True)
+    result = asyncio.run(scenarios.prefix_ttft(base_url, model, tokenizer, tokens,
+                                               PREFIX_REPS_QUICK if quick else PREFIX_REPS, metrics_url))
+    print(f"(a) TTFT p50 cold {result['cold_ttft_ms_p50']} ms, cached {result['cached_ttft_ms_p50']} ms: "
+          f"ratio {result['ratio_cached_to_cold']} (goal <= {GOAL_PREFIX_RATIO}); prefix-cache hits "
+          f"{scenarios.fmt(result['prefix_hit_tokens'])} of {scenarios.fmt(result['prefix_query_tokens'])} "
+          f"prompt tokens", flush=True)
+    return result
+
+
+def run_shared_prefix(base_url: str, model: str, tokenizer: object, metrics_url: str, max_seq_len: int,
+                      quick: bool, label: str) -> dict:
+    tokens = scenarios.fit_prompt(SHARED_SYSTEM_PROMPT, max_seq_len, reserve=OUTPUT_TOKENS + 64)
+    print(f"(b) {SHARED_USERS} users behind one {tokens}-token system prompt, {OUTPUT_TOKENS} output tokens, "
+          f"prefix reuse {label}", flush=True)
+    result = asyncio.run(scenarios.shared_prefix_level(
+        base_url, model, tokenizer, tokens, SHARED_USERS, OUTPUT_TOKENS, rounds=1 if quick else 2,
+        runs=1 if quick else STACK_RUNS, metrics_url=metrics_url))
+    print(f"(b) reuse {label}: {result['output_tok_per_s']} tok/s, TTFT p50 {result['ttft_p50_ms']} ms; "
+          f"prefix-cache hits {scenarios.fmt(result['prefix_hit_tokens'])} of "
+          f"{scenarios.fmt(result['prefix_query_tokens'])} prompt tokens", flush=True)
+    return result
+
+
+def run_c64(engine_dir: Path, c64_dir: Path, logs: Path, max_seq_len: int, quick: bool) -> dict:
+    kv_tokens = C64_KV_SLOTS * max_seq_len
+    build = scenarios.build_c64_engine(engine_dir, c64_dir, C64_CONCURRENCY, kv_tokens)
+    print(f"(d) engine {build['engine_dir']} ({'reused' if build['reused'] else 'built'}): max_batch_size "
+          f"{build['max_batch_size']}, KV cache {scenarios.fmt(build['kv_cache_tokens'])} tokens "
+          f"(= {C64_KV_SLOTS} x {max_seq_len})", flush=True)
+    model = build["served_model_name"]
+    requests = C64_CONCURRENCY * (1 if quick else 2)
+    conversations = [[{"role": "user", "content": f"{DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)]} (user {i})"}]
+                     for i in range(requests)]
+    with stack(c64_dir / "model_repository", c64_dir, logs, "c64") as (triton, base_url):
+        asyncio.run(run_level(base_url, model, 4, 4, 8, DEFAULT_PROMPTS))  # warm-up
+        result, readings = asyncio.run(scenarios.sampled_level(
+            base_url, model, C64_CONCURRENCY, requests, OUTPUT_TOKENS, conversations, triton.metrics_url))
+    row = result.summary()
+    print(f"(d) c={C64_CONCURRENCY}: {row}", flush=True)
+    after = readings["after"]
+    print(f"(d) engine metrics ({readings['samples']} samples every 0.2 s): requests_running peak "
+          f"{scenarios.fmt(readings['requests_running_peak'])} (active_slots peak "
+          f"{scenarios.fmt(readings['active_slots_peak'])}), requests_waiting peak "
+          f"{scenarios.fmt(readings['requests_waiting_peak'])}, kv_cache_blocks_used peak "
+          f"{scenarios.fmt(readings['kv_cache_blocks_used_peak'])} of {scenarios.fmt(after['kv_cache_blocks_total'])}; "
+          f"during the level: prefix-cache hits {scenarios.fmt(readings['during']['prefix_hit_tokens'])} of "
+          f"{scenarios.fmt(readings['during']['prefix_query_tokens'])} prompt tokens, preemptions "
+          f"{scenarios.fmt(readings['during']['preemptions'])}; after: "
+          + ", ".join(f"{name} {scenarios.fmt(value)}" for name, value in after.items()), flush=True)
+    return {"build": build, "level": row, "metrics": readings}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine-dir", type=Path, default=Path("build/bench"),
                         help="output dir of `python -m build_engine --preset small` (engine/, model_repository/)")
+    parser.add_argument("--only", type=parse_only, default=list(SCENARIOS),
+                        help="comma-separated scenarios to run: base (ceiling, floor, stack levels, chunked "
+                             "prefill), a (cached vs cold system prompt TTFT), b (16 users sharing a system "
+                             "prompt, reuse on vs off), c (stack vs plain steps, batch-1 step vs memory bound), "
+                             "d (c=64 in 32 slots' KV memory); default: all")
+    parser.add_argument("--c64-engine-dir", type=Path,
+                        help="where (d) builds (or finds) its engine (default: ENGINE_DIR-c64)")
     parser.add_argument("--quick", action="store_true", help="fewer requests and steps")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
+    only = set(args.only)
 
     engine_config = json.loads((args.engine_dir / "engine" / "engine_config.json").read_text())
     checkpoint, dtype = Path(engine_config["checkpoint_dir"]), engine_config["dtype"]
     model_name = engine_config["served_model_name"]
+    max_seq_len = int(engine_config["max_seq_len"])
+    model_repository = args.engine_dir / "model_repository"
+    rendered_reuse = servers.repository_parameter(model_repository, scenarios.ENGINE_MODEL, scenarios.REUSE_KEY)
     print(f"engine: {args.engine_dir} ({model_name}, {dtype}, max_batch_size {engine_config['max_batch_size']}, "
-          f"max_num_tokens {engine_config['max_num_tokens']}); torch threads {torch.get_num_threads()}")
+          f"max_num_tokens {engine_config['max_num_tokens']}, max_seq_len {max_seq_len}, "
+          f"{scenarios.REUSE_KEY} {rendered_reuse}); torch threads {torch.get_num_threads()}; "
+          f"scenarios {','.join(s for s in SCENARIOS if s in only)}", flush=True)
+    out: dict = {"engine": {"dir": str(args.engine_dir), **{k: engine_config.get(k) for k in (
+        "served_model_name", "dtype", "max_batch_size", "max_seq_len", "max_num_tokens")},
+        "enable_kv_cache_reuse": rendered_reuse}, "scenarios": [s for s in SCENARIOS if s in only],
+        "quick": args.quick}
+    results: dict = {}
 
-    ceiling_runs, floor_runs = hugging_face_baselines(checkpoint, dtype, args.quick)
-    ceiling = {batch: max(results) for batch, results in ceiling_runs.items()}
-    floor = max(floor_runs)
-    engine_plain = engine_plain_steps(args.engine_dir, 1 if args.quick else CEILING_RUNS)
+    # --- no server: Hugging Face ceilings and floor, the engine's plain steps, memory bandwidth ---
+    if "base" in only:
+        ceiling_runs, floor_runs = hugging_face_baselines(checkpoint, dtype, args.quick)
+        ceiling = {batch: max(values) for batch, values in ceiling_runs.items()}
+        floor = max(floor_runs)
+        print(f"ceiling (HF forward + KV cache): batch 1 {ceiling[1]:.1f} tok/s (runs {runs_of(ceiling_runs[1])}), "
+              f"batch 16 {ceiling[16]:.1f} tok/s (runs {runs_of(ceiling_runs[16])})")
+        print(f"floor (serial generate): {floor:.1f} tok/s (runs {runs_of(floor_runs)})", flush=True)
+        out.update({"ceiling": ceiling, "ceiling_runs": ceiling_runs, "floor": floor, "floor_runs": floor_runs})
+    engine_plain: dict[int, float] = {}
+    if only & {"base", "c"}:
+        bound: dict = {}
+        if "c" in only:  # before the runner holds its memory
+            bandwidth = scenarios.memory_bandwidth(BANDWIDTH_GIB_QUICK if args.quick else BANDWIDTH_GIB,
+                                                   BANDWIDTH_RUNS)
+            bound["bandwidth_gb_per_s"] = round(bandwidth / 1e9, 2)
+        runner = LlamaRunner(EngineConfig.from_engine_dir(args.engine_dir / "engine"))
+        runs = 1 if args.quick else CEILING_RUNS
+        engine_plain = {batch: max(runner_tokens_per_s(runner, batch) for _ in range(runs)) for batch in (1, 16)}
+        print(f"engine's own plain decode steps (no server): batch 1 {engine_plain[1]:.1f} tok/s, "
+              f"batch 16 {engine_plain[16]:.1f} tok/s", flush=True)
+        out["engine_plain"] = engine_plain
+        if "c" in only:
+            weights = scenarios.runner_weight_bytes(runner)
+            step_ms = 1000 / engine_plain[1]
+            bound_ms = weights["total"] / bandwidth * 1000
+            context = min(LONG_CONTEXT, max_seq_len - DECODE_STEPS - 8)
+            try:
+                long_b16 = max(runner_tokens_per_s(runner, 16, context=context) for _ in range(runs))
+            except ValueError as exc:  # a KV pool too small for 16 such sequences
+                print(f"(c) batch 16 at context {context}: skipped ({exc})")
+                long_b16 = None
+            bound.update({"weight_bytes": weights, "b1_step_ms": round(step_ms, 3), "bound_ms": round(bound_ms, 3),
+                          "step_to_bound": round(step_ms / bound_ms, 2),
+                          "weights_read_gb_per_s": round(weights["total"] / step_ms / 1e6, 2),
+                          "long_context": context,
+                          "b16_tok_per_s_long_context": None if long_b16 is None else round(long_b16, 1),
+                          "b16_long_to_short": None if long_b16 is None else round(long_b16 / engine_plain[16], 3)})
+            print(f"(c) memory read bandwidth {bound['bandwidth_gb_per_s']} GB/s (best of {BANDWIDTH_RUNS} sums of "
+                  f"{BANDWIDTH_GIB_QUICK if args.quick else BANDWIDTH_GIB} GiB); weights read per step "
+                  f"{weights['total'] / 1e6:.1f} MB (layers {weights['layers'] / 1e6:.1f}, lm_head + norm "
+                  f"{weights['lm_head'] / 1e6:.1f}); batch-1 step {step_ms:.2f} ms vs bound_ms {bound_ms:.2f} "
+                  f"(ratio {step_ms / bound_ms:.2f}, weights read at {bound['weights_read_gb_per_s']} GB/s)")
+            if long_b16 is not None:
+                print(f"(c) plain steps batch 16 at context {context}: {long_b16:.1f} tok/s "
+                      f"({long_b16 / engine_plain[16]:.2f}x of at context 32)", flush=True)
+            results["c_bound"] = bound
+        del runner
+        gc.collect()
 
-    def runs_of(values: list[float]) -> str:
-        return ", ".join(f"{v:.1f}" for v in values)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint) if only & {"base", "a", "b"} else None
+    long_prompt = min(LONG_PROMPT, max_seq_len - 8)
+    rows: list[dict] = []
+    prefill: dict = {}
+    with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
+        logs = Path(tmp)
+        prefix_on_main = rendered_reuse == "true"
+        # 1. the repository as rendered: stack levels, chunked prefill; (a) and (b, on) if reuse is on there
+        if only & {"base", "c"} or (prefix_on_main and only & {"a", "b"}):
+            with stack(model_repository, args.engine_dir, logs, "main") as (triton, base_url):
+                if only & {"base", "c"}:
+                    concurrencies = [1, 4, 16, 32] if "base" in only else [1, 16]
+                    rows = asyncio.run(stack_levels(base_url, model_name, concurrencies, args.quick))
+                if "base" in only:
+                    print(f"chunked prefill: {STREAMS} streams decoding, a {long_prompt}-token prompt arrives",
+                          flush=True)
+                    prefill = {"tokens_via_triton": asyncio.run(
+                                   chunked_prefill_triton(triton.grpc_url, tokenizer, long_prompt, STREAMS)),
+                               "text_chunks_via_frontend": asyncio.run(
+                                   chunked_prefill_sse(base_url, model_name, long_prompt, STREAMS))}
+                if prefix_on_main and "a" in only:
+                    guarded("a", results, lambda: run_prefix_ttft(base_url, model_name, tokenizer, triton.metrics_url,
+                                                                  max_seq_len, args.quick))
+                if prefix_on_main and "b" in only:
+                    guarded("b_on", results, lambda: run_shared_prefix(
+                        base_url, model_name, tokenizer, triton.metrics_url, max_seq_len, args.quick, "on"))
+        # 2. reuse forced on in a copy, when the rendered repository has it off
+        def reuse_on_phase() -> None:
+            with repository_with_reuse(model_repository, "true") as repository:
+                with stack(repository, args.engine_dir, logs, "reuse-on") as (triton, base_url):
+                    if "a" in only:
+                        guarded("a", results, lambda: run_prefix_ttft(
+                            base_url, model_name, tokenizer, triton.metrics_url, max_seq_len, args.quick))
+                    if "b" in only:
+                        guarded("b_on", results, lambda: run_shared_prefix(
+                            base_url, model_name, tokenizer, triton.metrics_url, max_seq_len, args.quick, "on"))
 
-    print(f"ceiling (HF forward + KV cache): batch 1 {ceiling[1]:.1f} tok/s (runs {runs_of(ceiling_runs[1])}), "
-          f"batch 16 {ceiling[16]:.1f} tok/s (runs {runs_of(ceiling_runs[16])})")
-    print(f"engine's own plain decode steps (no server): batch 1 {engine_plain[1]:.1f} tok/s, "
-          f"batch 16 {engine_plain[16]:.1f} tok/s")
-    print(f"floor (serial generate): {floor:.1f} tok/s (runs {runs_of(floor_runs)})", flush=True)
+        # 3. reuse off, in a copy: a second Triton after the first has stopped
+        def reuse_off_phase() -> dict:
+            with servers.repository_copy(model_repository, scenarios.ENGINE_MODEL,
+                                         {scenarios.REUSE_KEY: "false"}) as repository:
+                with stack(repository, args.engine_dir, logs, "reuse-off") as (triton, base_url):
+                    return run_shared_prefix(base_url, model_name, tokenizer, triton.metrics_url, max_seq_len,
+                                             args.quick, "off")
 
-    concurrencies = [1, 4, 16, 32]
-    with tempfile.TemporaryDirectory(prefix="engine-bench-") as logs:
-        with servers.triton(args.engine_dir / "model_repository", args.engine_dir, Path(logs)) as triton:
-            with servers.frontend(triton.grpc_url, Path(logs)) as base_url:
-                rows = asyncio.run(stack_levels(base_url, model_name, concurrencies, args.quick))
-                tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-                prefill = {"tokens_via_triton": asyncio.run(
-                               chunked_prefill_triton(triton.grpc_url, tokenizer, LONG_PROMPT, STREAMS)),
-                           "text_chunks_via_frontend": asyncio.run(
-                               chunked_prefill_sse(base_url, model_name, LONG_PROMPT, STREAMS))}
+        if not prefix_on_main and only & {"a", "b"}:
+            guarded("reuse_on_server", results, reuse_on_phase)
+        if "b" in only:
+            guarded("b_off", results, reuse_off_phase)
+        # 4. concurrency 64 on an engine of 64 slots in the KV memory of 32 full-length sequences
+        if "d" in only:
+            c64_dir = args.c64_engine_dir or args.engine_dir.with_name(args.engine_dir.name + "-c64")
+            print(f"\n[c64] (d) concurrency {C64_CONCURRENCY}", flush=True)
+            guarded("d", results, lambda: run_c64(args.engine_dir, c64_dir, logs, max_seq_len, args.quick))
 
     by_c = {row["concurrency"]: row for row in rows}
-    ratios = {
-        "c1_vs_ceiling_b1": by_c[1]["output_tok_per_s"] / ceiling[1],
-        "c16_vs_ceiling_b16": by_c[16]["output_tok_per_s"] / ceiling[16],
-        "c16_vs_floor": by_c[16]["output_tok_per_s"] / floor,
-        "c32_vs_ceiling_b16": by_c[32]["output_tok_per_s"] / ceiling[16],
-        "c16_vs_engine_plain_b16": by_c[16]["output_tok_per_s"] / engine_plain[16],
-    }
-    print("\n| concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['concurrency']} | {row['output_tok_per_s']} | {row['ttft_p50_ms']} | {row['ttft_p99_ms']} | "
-              f"{row['itl_p50_ms']} | {row['itl_p99_ms']} |")
-    print(f"\nceiling batch 1: {ceiling[1]:.1f} tok/s; batch 16: {ceiling[16]:.1f} tok/s; floor: {floor:.1f} tok/s")
-    for name, value in ratios.items():
-        print(f"{name}: {value:.2f}")
-    print(f"chunked prefill ({STREAMS} streams decoding, a {LONG_PROMPT}-token prompt arrives):")
-    for how, figures in prefill.items():
-        print(f"  {how}: {figures}")
+    summary: list[tuple[str, str, str, str]] = []  # scenario, figure, value, goal
+    if "base" in only:
+        ceiling, floor = out["ceiling"], out["floor"]
+        ratios = {
+            "c1_vs_ceiling_b1": by_c[1]["output_tok_per_s"] / ceiling[1],
+            "c16_vs_ceiling_b16": by_c[16]["output_tok_per_s"] / ceiling[16],
+            "c16_vs_floor": by_c[16]["output_tok_per_s"] / floor,
+            "c32_vs_ceiling_b16": by_c[32]["output_tok_per_s"] / ceiling[16],
+            "c16_vs_engine_plain_b16": by_c[16]["output_tok_per_s"] / engine_plain[16],
+        }
+        print("\n| concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
+        print("|---|---|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['concurrency']} | {row['output_tok_per_s']} | {row['ttft_p50_ms']} | {row['ttft_p99_ms']} | "
+                  f"{row['itl_p50_ms']} | {row['itl_p99_ms']} |")
+        print(f"\nceiling batch 1: {ceiling[1]:.1f} tok/s; batch 16: {ceiling[16]:.1f} tok/s; floor: {floor:.1f} tok/s")
+        for name, value in ratios.items():
+            print(f"{name}: {value:.2f}")
+        print(f"chunked prefill ({STREAMS} streams decoding, a {long_prompt}-token prompt arrives):")
+        for how, figures in prefill.items():
+            print(f"  {how}: {figures}")
+        out.update({"stack": rows, "ratios": ratios, "chunked_prefill": prefill})
+        summary += [("base", "stack c=16 / HF ceiling b16", f"{ratios['c16_vs_ceiling_b16']:.2f}x", ""),
+                    ("base", "stack c=16 / floor", f"{ratios['c16_vs_floor']:.2f}x", ""),
+                    ("base", "chunked prefill: ITL p99 during / p50 (Triton)",
+                     f"{prefill['tokens_via_triton']['ratio_p99_during_to_p50']}x", "")]
+    elif rows:
+        out["stack"] = rows
+
+    def failure(*parts: dict) -> str | None:
+        """Why a scenario has no figures (its error, or the error of the server it needed), or None."""
+        for part in parts:
+            if "error" in part or not part:
+                error = part.get("error") or (results.get("reuse_on_server") or {}).get("error") or "did not run"
+                lines = [line.strip() for line in error.splitlines() if line.strip()]
+                return f"FAILED: {lines[-1][:160]}"  # the table keeps one line; the JSON has it all
+        return None
+
+    if "a" in only:
+        a = results.get("a", {})
+        out["a_prefix_ttft"] = a
+        summary.append(("a", f"TTFT p50 cached / cold ({a.get('system_prompt_tokens', '?')}-token system prompt)",
+                        failure(a) or f"{a['cached_ttft_ms_p50']} / {a['cold_ttft_ms_p50']} ms = "
+                                      f"{a['ratio_cached_to_cold']}x", f"<= {GOAL_PREFIX_RATIO}x"))
+    if "b" in only:
+        on, off = results.get("b_on", {}), results.get("b_off", {})
+        b = {"reuse_on": on, "reuse_off": off}
+        if not failure(on, off):
+            b["tok_per_s_on_to_off"] = round(on["output_tok_per_s"] / off["output_tok_per_s"], 3)
+            b["ttft_p50_on_to_off"] = round(on["ttft_p50_ms"] / off["ttft_p50_ms"], 3)
+            summary += [("b", f"{SHARED_USERS} users, shared {on['system_prompt_tokens']}-token prompt: tok/s on / off",
+                         f"{on['output_tok_per_s']} / {off['output_tok_per_s']} = {b['tok_per_s_on_to_off']}x", ""),
+                        ("b", "  TTFT p50 on / off", f"{on['ttft_p50_ms']} / {off['ttft_p50_ms']} ms = "
+                         f"{b['ttft_p50_on_to_off']}x", "")]
+        else:
+            summary.append(("b", "shared prefix, reuse on vs off", failure(on, off) or "", ""))
+        out["b_shared_prefix"] = b
+    if "c" in only:
+        bound = results.get("c_bound", {})
+        c = {"engine_plain": engine_plain, "stack": {k: by_c[k] for k in (1, 16) if k in by_c}, **bound}
+        for batch in (1, 16):
+            if batch in by_c and engine_plain.get(batch):
+                c[f"c{batch}_vs_engine_plain_b{batch}"] = round(
+                    by_c[batch]["output_tok_per_s"] / engine_plain[batch], 3)
+                summary.append(("c", f"stack c={batch} / engine plain steps b{batch}",
+                                f"{by_c[batch]['output_tok_per_s']} / {engine_plain[batch]:.1f} tok/s = "
+                                f"{c[f'c{batch}_vs_engine_plain_b{batch}']}x", f">= {GOAL_STACK_RATIO}x"))
+        print("")
+        for batch in (1, 16):
+            key = f"c{batch}_vs_engine_plain_b{batch}"
+            print(f"{key}: {scenarios.fmt(c.get(key), 3)} (goal >= {GOAL_STACK_RATIO})")
+        if "bound_ms" in bound:
+            summary.append(("c", "batch-1 step / bound (weight bytes / bandwidth)",
+                            f"{bound['b1_step_ms']} / {bound['bound_ms']} ms = {bound['step_to_bound']}x", ""))
+        if bound.get("b16_long_to_short") is not None:
+            summary.append(("c", f"plain b16 tok/s at context {bound['long_context']} / at 32",
+                            f"{bound['b16_tok_per_s_long_context']} / {engine_plain[16]:.1f} = "
+                            f"{bound['b16_long_to_short']}x", ""))
+        out["c_stack_vs_plain"] = c
+    if "d" in only:
+        d = results.get("d", {})
+        out["d_c64"] = d
+        if failure(d):
+            summary.append(("d", f"c={C64_CONCURRENCY}", failure(d) or "", ""))
+        else:
+            m = d["metrics"]
+            summary += [("d", f"c={C64_CONCURRENCY} (KV {scenarios.fmt(d['build']['kv_cache_tokens'])} tokens): "
+                              "tok/s, TTFT p50",
+                         f"{d['level']['output_tok_per_s']} tok/s, {d['level']['ttft_p50_ms']} ms", ""),
+                        ("d", "  requests_running peak (active_slots peak)",
+                         f"{scenarios.fmt(m['requests_running_peak'])} ({scenarios.fmt(m['active_slots_peak'])})",
+                         f"{C64_CONCURRENCY}"),
+                        ("d", "  kv blocks used peak / total",
+                         f"{scenarios.fmt(m['kv_cache_blocks_used_peak'])} / "
+                         f"{scenarios.fmt(m['after']['kv_cache_blocks_total'])}", "")]
+
+    if summary:
+        print("\n| scenario | figure | value | goal |")
+        print("|---|---|---|---|")
+        for row in summary:
+            print("| " + " | ".join(row) + " |")
     if args.json:
-        args.json.write_text(json.dumps({"ceiling": ceiling, "ceiling_runs": ceiling_runs, "engine_plain": engine_plain,
-                                         "floor": floor, "floor_runs": floor_runs, "stack": rows, "ratios": ratios,
-                                         "chunked_prefill": prefill}, indent=2))
+        args.json.write_text(json.dumps(out, indent=2, default=str))
 
 
 if __name__ == "__main__":

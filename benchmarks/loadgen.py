@@ -14,7 +14,8 @@ perf_analyzer's export.
     python -m benchmarks.loadgen triton --grpc-url 127.0.0.1:8001 --tokenizer build/checkpoints/demo-small
 
 `run_level`, `LevelResult`, `stream_chat`, `percentile` and `RequestRecord` are the original API (OpenAI
-path only) and keep their signatures.
+path only) and keep their signatures; `stream_messages` and `run_conversations_level` are the same for
+whole conversations (a system prompt and the user's turn: `benchmarks.engine_bench`'s prefix scenarios).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from benchmarks.metrics import RequestTiming, percentile, summarize
 from benchmarks.workload import NEVER_END_ID, Workload, chat_ids, load_tokenizer, load_workload
 
 __all__ = ["RequestRecord", "LevelResult", "percentile", "stream_chat", "run_level", "DEFAULT_PROMPTS",
+           "stream_messages", "run_conversations_level",
            "OpenAITarget", "TritonTarget", "run_workload_level", "run_sweep"]
 
 
@@ -72,6 +74,7 @@ class LevelResult:
     ttft_s: list[float]
     itl_s: list[float]
     e2e_s: list[float] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)  # per request, from the usage chunk (0: none)
 
     @property
     def tokens_per_s(self) -> float:
@@ -98,15 +101,25 @@ class LevelResult:
         return out
 
 
-def _chat_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+Messages = list[dict[str, Any]]
+
+
+def _chat_body(model: str, prompt: str | Messages, max_tokens: int) -> dict[str, Any]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return {"model": model, "messages": messages, "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
             "min_tokens": max_tokens, "temperature": 0}
 
 
 async def stream_chat(client: httpx.AsyncClient, base_url: str, model: str, prompt: str,
                       max_tokens: int) -> RequestRecord:
-    body = _chat_body(model, prompt, max_tokens)
+    return await stream_messages(client, base_url, model, [{"role": "user", "content": prompt}], max_tokens)
+
+
+async def stream_messages(client: httpx.AsyncClient, base_url: str, model: str, messages: Messages,
+                          max_tokens: int) -> RequestRecord:
+    """`stream_chat` for a whole conversation (e.g. a system prompt, then the user's turn)."""
+    body = _chat_body(model, messages, max_tokens)
     record = RequestRecord(start=time.perf_counter())
     async with client.stream("POST", f"{base_url}/chat/completions", json=body) as response:
         if response.is_error:
@@ -131,6 +144,13 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, model: str, prom
 
 async def run_level(base_url: str, model: str, concurrency: int, requests: int, max_tokens: int,
                     prompts: list[str]) -> LevelResult:
+    return await run_conversations_level(base_url, model, concurrency, requests, max_tokens,
+                                         [[{"role": "user", "content": prompt}] for prompt in prompts])
+
+
+async def run_conversations_level(base_url: str, model: str, concurrency: int, requests: int, max_tokens: int,
+                                  conversations: list[Messages]) -> LevelResult:
+    """`run_level` with whole conversations: request i sends conversations[i % len(conversations)]."""
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
@@ -142,7 +162,8 @@ async def run_level(base_url: str, model: str, concurrency: int, requests: int, 
                 i = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            records.append(await stream_chat(client, base_url, model, prompts[i % len(prompts)], max_tokens))
+            records.append(await stream_messages(client, base_url, model, conversations[i % len(conversations)],
+                                                 max_tokens))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -151,7 +172,7 @@ async def run_level(base_url: str, model: str, concurrency: int, requests: int, 
         duration = time.perf_counter() - start
     return LevelResult(concurrency, len(records), duration, sum(r.completion_tokens for r in records),
                        [r.ttft for r in records], [r.itl for r in records if r.itl is not None],
-                       [r.end - r.start for r in records])
+                       [r.end - r.start for r in records], [r.prompt_tokens for r in records])
 
 
 DEFAULT_PROMPTS = [

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -51,6 +53,33 @@ def repository_parameter(model_repository: Path, model: str, key: str) -> str | 
     text = (Path(model_repository) / model / "config.pbtxt").read_text()
     match = re.search(r'key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
     return match.group(1) if match else None
+
+
+def _parameter_pattern(key: str) -> "re.Pattern[str]":
+    return re.compile(r'(key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*")([^"]*)(")')
+
+
+def set_repository_parameter(model_repository: Path, model: str, key: str, value: str) -> None:
+    """Rewrite (or add) a `parameters` entry of a rendered config.pbtxt, in place."""
+    path = Path(model_repository) / model / "config.pbtxt"
+    text = path.read_text()
+    text, count = _parameter_pattern(key).subn(lambda m: m.group(1) + value + m.group(3), text)
+    if not count:
+        text += f'\nparameters: {{\n  key: "{key}"\n  value: {{ string_value: "{value}" }}\n}}\n'
+    path.write_text(text)
+
+
+@contextlib.contextmanager
+def repository_copy(model_repository: Path, model: str, parameters: dict[str, str]) -> Iterator[Path]:
+    """A temporary copy of a rendered model repository with some of `model`'s parameters rewritten
+    (e.g. enable_kv_cache_reuse), removed afterwards. The rendered configs hold absolute paths (engine,
+    tokenizer), so the copy serves the same engine."""
+    with tempfile.TemporaryDirectory(prefix="model-repository-") as tmp:
+        copy = Path(tmp) / "model_repository"
+        shutil.copytree(model_repository, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        for key, value in parameters.items():
+            set_repository_parameter(copy, model, key, value)
+        yield copy
 
 
 @dataclass(frozen=True)
