@@ -108,25 +108,32 @@ def _fuse(linears: list[torch.nn.Linear]) -> Projection:
     return Projection(weight, bias)
 
 
+class RMSNorm:
+    """The checkpoint's RMSNorm as PyTorch's fused op: the same numbers as the module's seven small ops in
+    half the time, which counts at batch 1, where a step runs 25 of them for a few hundred bytes each."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.weight = module.weight.detach()
+        self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
 class FusedLayer:
     """A decoder layer's weights, with q/k/v and gate/up fused (the checkpoint's modules are dropped)."""
 
     def __init__(self, layer: torch.nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm = layer.input_layernorm
-        self.post_norm = layer.post_attention_layernorm
-        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3
-        self.k_norm = getattr(attn, "k_norm", None)
+        self.input_norm = RMSNorm(layer.input_layernorm)
+        self.post_norm = RMSNorm(layer.post_attention_layernorm)
+        self.q_norm = RMSNorm(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None  # Qwen3
+        self.k_norm = RMSNorm(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
         self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o_proj = _fuse([attn.o_proj])
         self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
         self.down = _fuse([mlp.down_proj])
         self.act = mlp.act_fn
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LlamaRunner:
@@ -146,7 +153,7 @@ class LlamaRunner:
         model = AutoModelForCausalLM.from_pretrained(config.checkpoint_dir, dtype=self.dtype).eval()
         decoder = model.model
         self.embed = decoder.embed_tokens
-        self.norm = decoder.norm
+        self.norm = RMSNorm(decoder.norm)
         self.rotary = decoder.rotary_emb
         self.lm_head = Projection(model.lm_head.weight.detach().contiguous())
         self.vocab_size = int(hf_config.vocab_size)
@@ -221,6 +228,10 @@ class LlamaRunner:
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, pos[None, :])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim]
+        # x cos + rotate_half(x) sin == x cos + roll(x, half) sin', with sin' = sin with its first half negated:
+        # the same numbers (negation is exact), in two ops fewer, and for q and k at once.
+        half = self.head_dim // 2
+        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
         decode_mask = decode_tables = dec_len = None
         if num_decode:
@@ -235,13 +246,13 @@ class LlamaRunner:
 
         for layer_idx, layer in enumerate(self.layers):
             qkv = layer.qkv(layer.input_norm(hidden))
-            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+            qk_size = self.q_size + self.kv_size
+            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
             if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                qk = torch.cat((layer.q_norm(qk[:, :self.num_heads]), layer.k_norm(qk[:, self.num_heads:])), dim=1)
+            qk = qk * cos + torch.roll(qk, half, dims=-1) * sin_signed
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             self.k_cache[layer_idx].index_copy_(0, places_t, k)
             self.v_cache[layer_idx].index_copy_(0, places_t, v)
 

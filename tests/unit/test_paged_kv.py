@@ -237,3 +237,32 @@ def test_a_bfloat16_engine_stays_within_tolerance_of_float32(checkpoint: Path) -
     assert 0 < error < 0.05, error  # not the same numbers (bf16 did run), but close
     cosine = torch.nn.functional.cosine_similarity(reduced, reference, dim=-1)
     assert cosine.min() > 0.99, cosine.min()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_runner_matches_hugging_face_for_the_qwen_families(family: str, tmp_path: Path) -> None:
+    """q/k/v biases (Qwen2) and per-head q/k RMSNorms before the rotary embedding (Qwen3), through the fused
+    norms and the joint q/k rotary of the runner."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    config_class, architecture = {"qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
+                                  "qwen3": (Qwen3Config, "Qwen3ForCausalLM")}[family]
+    torch.manual_seed(5)
+    config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                          architectures=[architecture])
+    model = AutoModelForCausalLM.from_config(config)
+    if family == "qwen3":  # non-trivial norm weights, so that a misplaced q/k norm shows
+        for layer in model.model.layers:
+            torch.nn.init.uniform_(layer.self_attn.q_norm.weight, 0.5, 1.5)
+            torch.nn.init.uniform_(layer.self_attn.k_norm.weight, 0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    prompt = prompt_of(10)
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0]
+    runner = LlamaRunner(EngineConfig(checkpoint_dir=tmp_path, max_batch_size=1, max_seq_len=32, kv_block_size=4))
+    table = [3, 1, 6]
+    first = runner.forward(prompt[:9], [], [], [Chunk(table, 0, 9)], list(range(9)))
+    last = runner.forward(prompt[9:], [table], [9], [], [0])
+    torch.testing.assert_close(first, expected[:9], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(last[0], expected[9], atol=1e-4, rtol=1e-4)
