@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import contextlib
 import gc
 import json
@@ -412,6 +413,16 @@ def main(argv: list[str] | None = None) -> None:
             results["c_bound"] = bound
         del runner
         gc.collect()
+        if "c" in only and dtype == "float32":  # the bfloat16 setting, on the same checkpoint
+            bf16 = LlamaRunner(dataclasses.replace(EngineConfig.from_engine_dir(args.engine_dir / "engine"),
+                                                   dtype="bfloat16"))
+            bound["bf16_onednn"] = bf16.lm_head.uses_onednn  # False: this CPU has no native bf16 GEMM path
+            bound["bf16_plain"] = {batch: round(runner_tokens_per_s(bf16, batch), 1) for batch in (1, 16)}
+            kernel = "oneDNN" if bound["bf16_onednn"] else "MKL fallback: no native bf16 on this CPU"
+            print(f"(c) bfloat16 weights (--dtype bfloat16, {kernel}): plain decode steps batch 1 "
+                  f"{bound['bf16_plain'][1]} tok/s, batch 16 {bound['bf16_plain'][16]} tok/s", flush=True)
+            del bf16
+            gc.collect()
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint) if only & {"base", "a", "b"} else None
     long_prompt = min(LONG_PROMPT, max_seq_len - 8)
@@ -543,6 +554,10 @@ def main(argv: list[str] | None = None) -> None:
         if "bound_ms" in bound:
             summary.append(("c", "batch-1 step / bound (weight bytes / bandwidth)",
                             f"{bound['b1_step_ms']} / {bound['bound_ms']} ms = {bound['step_to_bound']}x", ""))
+        if "bf16_plain" in bound:
+            summary.append(("c", "plain steps b1 / b16, bfloat16 vs float32",
+                            f"{bound['bf16_plain'][1]} / {bound['bf16_plain'][16]} vs {engine_plain[1]:.1f} / "
+                            f"{engine_plain[16]:.1f} tok/s", ""))
         if bound.get("b16_long_to_short") is not None:
             summary.append(("c", f"plain b16 tok/s at context {bound['long_context']} / at 32",
                             f"{bound['b16_tok_per_s_long_context']} / {engine_plain[16]:.1f} = "

@@ -305,7 +305,7 @@ def runner_weight_bytes(runner: Any) -> dict[str, int]:
                              else getattr(p, "weight", None)) + _tensor_bytes(getattr(p, "bias", None))
 
     def norm(module: Any) -> int:
-        return 0 if module is None else sum(_tensor_bytes(t) for t in module.parameters())
+        return 0 if module is None else _tensor_bytes(module.weight)
 
     layers = sum(projection(layer.qkv) + projection(layer.o_proj) + projection(layer.gate_up) + projection(layer.down)
                  + norm(layer.input_norm) + norm(layer.post_norm) + norm(getattr(layer, "q_norm", None))

@@ -336,7 +336,7 @@ class Scheduler:
             raise RequestError(
                 f"prompt length ({prompt_len}) + request_output_len ({request.max_new_tokens}) exceeds "
                 f"the engine's KV cache: it needs {needed} blocks of {block_size} tokens and the cache has "
-                f"{self.blocks.num_blocks} (max_tokens_in_paged_kv_cache)")
+                f"{self.blocks.num_blocks} (cpu_kv_cache_tokens)")
         vocab = self.runner.vocab_size
         bad = next((t for t in request.prompt if not 0 <= t < vocab), None)
         if bad is not None:
