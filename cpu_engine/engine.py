@@ -7,6 +7,11 @@ thread-safe inbox and the loop thread alone touches the scheduler. Cancellation 
 A request the poll finds cancelled is cancelled by identity: request ids are client labels and two
 clients may share one, and one client leaving must not end the other's request.
 
+Round trips to Triton stay off the loop's critical path: a poll runs on a helper thread while the step
+computes (it is waited for before `after_step`, so a poll never overlaps the sending of the step's final
+responses, and what it finds cancelled leaves at the next step), and the metrics go out from a thread of
+their own (`on_stats` gets the latest snapshot; the engine never waits for it).
+
 The loop thread must never end silently: every open request would wait forever while the server still
 looks healthy. Any exception that escapes the loop (anything outside `scheduler.step()`, which contains
 its own failures) kills the engine on purpose: every open request (running, waiting, still in the
@@ -21,6 +26,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -49,17 +55,20 @@ def configure_threads(num_threads: int) -> int:
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler,
+    def __init__(self, scheduler: Scheduler | Callable[[], Scheduler],
                  cancelled: Callable[[list[GenerationRequest]], list[bool]] | None = None,
                  cancel_poll_s: float = 0.02, on_stats: Callable[[EngineStats], None] | None = None,
                  stats_period_s: float = 0.1, after_step: Callable[[], None] | None = None,
                  on_failure: Callable[[str], None] | None = None, max_queued: int = 0):
-        """`after_step` runs on the engine thread after every step, before the next: the Triton glue
-        waits there for the step's responses to be delivered (and the failure guard calls it once more to
-        deliver the error responses). `on_failure` runs once on the engine thread, with the reason, after
-        the engine died and every open request got its error. `max_queued` bounds the requests waiting
+        """`scheduler` is the scheduler, or a function that makes it: start() then runs it on the loop thread
+        (see start()). `after_step` runs on the engine thread after every step, before the next: the Triton glue
+        hands the step's responses over for delivery there (and the failure guard calls it once more to
+        deliver the error responses); no cancellation poll is in flight while it runs. `on_failure` runs
+        once on the engine thread, with the reason, after the engine died and every open request got its
+        error. `on_stats` runs on a thread of its own. `max_queued` bounds the requests waiting
         for a slot (0: no bound), so that a flood is refused at once instead of queued without end."""
-        self.scheduler = scheduler
+        self._build = None if isinstance(scheduler, Scheduler) else scheduler
+        self.scheduler: Scheduler = scheduler if self._build is None else None  # set by start() otherwise
         self._after_step = after_step
         self._cancelled = cancelled
         self.cancel_poll_s = cancel_poll_s  # how often Triton's cancellations are polled
@@ -69,6 +78,10 @@ class Engine:
         self._stats_period_s = stats_period_s
         self._published_occupancy: tuple[int, int] | None = None
         self._published_at = 0.0
+        self._stats_publisher = _LatestOnly(on_stats, MIN_STATS_SPACING_S) if on_stats is not None else None
+        # The poll in flight (its requests and their answers), run by the helper while the step computes.
+        self._poll: tuple[list[GenerationRequest], Future[list[bool]]] | None = None
+        self._poller: ThreadPoolExecutor | None = None
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         # Held while checking `_failure` and putting into the inbox, and while setting `_failure`: once
         # the engine is dead no request can slip into the inbox after the guard emptied it.
@@ -77,16 +90,22 @@ class Engine:
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-engine", daemon=True)
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: object) -> "Engine":
-        configure_threads(config.num_threads)
-        runner = LlamaRunner(config)
-        scheduler = Scheduler(runner, config.max_num_tokens, config.prefill_step_ratio,
-                              enable_prefix_reuse=config.enable_prefix_reuse)
-        with torch.inference_mode():  # measure this machine before the first request
+        """The engine for `config`. Its weights load, and it measures this machine (Scheduler.calibrate), on
+        the loop thread when `start()` is called; start() returns when that is done."""
+
+        def build() -> Scheduler:
+            configure_threads(config.num_threads)
+            scheduler = Scheduler(LlamaRunner(config), config.max_num_tokens, config.prefill_step_ratio,
+                                  enable_prefix_reuse=config.enable_prefix_reuse)
             scheduler.calibrate()
-        return cls(scheduler, **kwargs)
+            return scheduler
+
+        return cls(build, **kwargs)
 
     def describe(self) -> str:
         """What calibration measured, for the server log."""
@@ -105,12 +124,25 @@ class Engine:
         return self._failure
 
     def start(self) -> None:
+        """Start the loop thread; when the engine was given a function that makes its scheduler, returns
+        once that has run there. It runs there, not on the caller's thread, so that one thread only ever
+        runs PyTorch's parallel ops: each such thread keeps a team of OpenMP threads of its own, and a
+        second team, even idle, made batch-1 steps 25-30% slower on this 2-core machine (the model's
+        main thread in Triton's stub loading the weights and calibrating, the loop thread decoding)."""
         self._thread.start()
+        if self._build is not None:
+            self._built.wait()
+        if self._build_error is not None:
+            raise RuntimeError(f"the CPU engine failed to start: {self._build_error!r}") from self._build_error
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopped.set()
         self._wakeup.set()
         self.join(timeout_s)
+        if self._poller is not None:
+            self._poller.shutdown(wait=False)
+        if self._stats_publisher is not None:
+            self._stats_publisher.close(timeout_s)
 
     def join(self, timeout_s: float) -> bool:
         """Wait up to timeout_s for the loop thread to end; True if it has ended (or never started)."""
@@ -166,11 +198,23 @@ class Engine:
             else:
                 self.scheduler.cancel_by_id(item)
 
-    def _poll_cancellations(self) -> None:
+    def _start_poll(self) -> None:
+        """Ask Triton, from the helper thread, which of the live requests were cancelled; the answers are
+        taken by `_finish_poll` after the step."""
         requests = self.scheduler.live_requests()
         if self._cancelled is None or not requests:
             return
-        for request, cancelled in zip(requests, self._cancelled(requests)):
+        if self._poller is None:
+            self._poller = ThreadPoolExecutor(1, thread_name_prefix="cpu-engine-cancel-poll")
+        self._poll = (requests, self._poller.submit(self._cancelled, requests))
+
+    def _finish_poll(self) -> None:
+        """Wait for the poll in flight (if any) and mark what it found cancelled: those requests leave at the
+        next step. Re-raises the poll's exception (the engine dies: see the module docstring)."""
+        if self._poll is None:
+            return
+        (requests, answers), self._poll = self._poll, None
+        for request, cancelled in zip(requests, answers.result()):
             if cancelled:
                 self.scheduler.cancel(request)
 
@@ -185,7 +229,7 @@ class Engine:
             return
         self._published_occupancy, self._published_at = occupancy, now
         try:
-            self._on_stats(self.scheduler.stats())
+            self._stats_publisher.offer(self.scheduler.stats())
         except Exception:  # metrics must never stop the engine
             log.exception("publishing engine stats failed")
 
@@ -193,6 +237,14 @@ class Engine:
         """The thread's body: the loop under the guard that makes a crash loud instead of a hang."""
         try:
             with torch.inference_mode():
+                if self._build is not None:
+                    try:
+                        self.scheduler = self._build()
+                    except BaseException as exc:  # no request yet: start() raises it, the model fails to load
+                        self._build_error = exc
+                        return
+                    finally:
+                        self._built.set()
                 self._loop()
         except BaseException as exc:  # whatever ends the thread, no request may hang
             self._die(exc)
@@ -208,15 +260,18 @@ class Engine:
                 continue
             now = time.monotonic()
             if now - last_poll >= self.cancel_poll_s:
-                self._poll_cancellations()
+                self._start_poll()  # its round trips overlap the step
                 last_poll = now
             try:
                 self.scheduler.step()
             except Exception:  # keep serving; the scheduler already failed the step's requests
                 log.exception("engine step failed")
             finally:
-                if self._after_step is not None:
-                    self._after_step()
+                try:
+                    self._finish_poll()  # before after_step: never while the step's final responses go out
+                finally:
+                    if self._after_step is not None:
+                        self._after_step()
             self._publish_stats(now)
 
     def _die(self, exc: BaseException) -> None:
@@ -227,6 +282,9 @@ class Engine:
         with self._admission:
             self._failure = f"{type(exc).__name__}: {exc}"
         message = f"the engine failed and cannot serve requests ({self._failure})"
+        if self._poll is not None:  # no poll may overlap the error responses
+            self._guarded(lambda: self._poll[1].exception(), "waiting for the cancellation poll")
+            self._poll = None
         self._guarded(lambda: self.scheduler.fail_all(message), "failing the open requests")
         for request in self._drain_requests():
             send_error_safely(request, message)
@@ -254,3 +312,56 @@ class Engine:
             action()
         except Exception:  # the engine is already dead; the next steps must still run
             log.exception("%s after the engine failed raised", what)
+
+
+class _LatestOnly:
+    """Hands values to `consumer` on a thread of its own, newest first: a value offered while the consumer
+    is busy replaces the one still waiting, so the offering thread never waits and the consumer never falls
+    behind. Calls are at least `spacing_s` apart and in the order the values were offered."""
+
+    def __init__(self, consumer: Callable[[object], None], spacing_s: float):
+        self._consumer = consumer
+        self._spacing_s = spacing_s
+        self._latest: object | None = None
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def offer(self, value: object) -> None:
+        with self._lock:
+            self._latest = value
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="cpu-engine-stats", daemon=True)
+                self._thread.start()
+        self._ready.set()
+
+    def close(self, timeout_s: float) -> None:
+        """The value still waiting goes out, then the thread ends."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._ready.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def _run(self) -> None:
+        last = float("-inf")
+        while True:
+            self._ready.wait()
+            time.sleep(max(0.0, last + self._spacing_s - time.monotonic()))
+            with self._lock:
+                value, self._latest = self._latest, None
+                self._ready.clear()
+                closed = self._closed
+            if value is None:
+                if closed:
+                    return
+                continue
+            last = time.monotonic()
+            try:
+                self._consumer(value)
+            except Exception:  # metrics must never stop anything
+                log.exception("publishing engine stats failed")
+            if closed:
+                return

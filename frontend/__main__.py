@@ -61,6 +61,10 @@ def build_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Config:
     tls = settings.ssl_certfile is not None
     return uvicorn.Config(
         app, host=settings.frontend_host, port=settings.frontend_port,
+        # libuv's event loop and the C HTTP parser (the frontend extra pins both): every streamed token
+        # is a gRPC read, an SSE write and a few event-loop turns, and on a small CPU box they compete with
+        # the engine's forward pass for the cores.
+        loop="uvloop", http="httptools",
         log_level=settings.log_level, timeout_graceful_shutdown=10,
         access_log=not settings.access_log,  # ours is one JSON line per request
         limit_concurrency=settings.limit_concurrency,  # past it uvicorn answers 503 before the app sees it

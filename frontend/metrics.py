@@ -55,6 +55,7 @@ class TokenTiming:
         self._metrics = metrics
         self._route = route
         self._last: float | None = None
+        self._itl = None  # this route's inter-token histogram, looked up once
         self.ttft_s: float | None = None
 
     def tokens(self, count: int) -> None:
@@ -70,7 +71,9 @@ class TokenTiming:
                 self._on_first(self.ttft_s)
         elif self._metrics is not None:
             per_token = (now - self._last) / count
-            histogram = self._metrics.itl.labels(self._route)
+            histogram = self._itl
+            if histogram is None:
+                histogram = self._itl = self._metrics.itl.labels(self._route)
             for _ in range(min(count, 64)):
                 histogram.observe(per_token)
         self._last = now

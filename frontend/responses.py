@@ -95,7 +95,9 @@ class GenerationResponse(Response):
         await self._send_json(send, 200, body.model_dump_json().encode("utf-8"))
 
     async def _stream(self, send: Send) -> None:
-        lock = anyio.Lock()  # choices deliver concurrently; frames must not interleave
+        # Choices deliver concurrently; frames must not interleave. fast_acquire: an uncontended lock (one
+        # choice, the usual case) costs no extra event-loop turn per token.
+        lock = anyio.Lock(fast_acquire=True)
 
         async def write(frames: list[bytes]) -> None:
             for frame in frames:

@@ -272,6 +272,9 @@ class TritonEngine:
         except InferenceServerException as exc:
             raise service_unavailable("the inference server is unreachable") from exc
         finished = False
+        # Only the outputs this request asked for are looked up (each lookup walks the response's outputs).
+        want_log_probs = options.logprobs or bool(options.top_logprobs)
+        want_top = bool(options.top_logprobs)
         try:
             async for result, error in call:
                 if error is not None:
@@ -279,8 +282,9 @@ class TritonEngine:
                 token_ids = _new_tokens(result)
                 if not token_ids:
                     continue
-                yield TokenChunk(token_ids, _new_log_probs(result, len(token_ids)),
-                                 _top_alternatives(result, len(token_ids)))
+                count = len(token_ids)
+                yield TokenChunk(token_ids, _new_log_probs(result, count) if want_log_probs else None,
+                                 _top_alternatives(result, count) if want_top else None)
             finished = True
         except OpenAIError:
             raise

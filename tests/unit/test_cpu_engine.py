@@ -555,3 +555,35 @@ def test_a_full_engine_queue_refuses_at_once(checkpoint: Path) -> None:
         engine.submit(request(name, prompt_of(3), 2))
     with pytest.raises(QueueFullError, match="queue is full"):
         engine.submit(request("g", prompt_of(3), 2))
+
+
+def test_from_config_loads_and_calibrates_on_the_engine_thread(checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """Only the loop thread runs PyTorch's parallel ops (one OpenMP team: see Engine.start)."""
+    import cpu_engine.engine as engine_module
+
+    threads = []
+
+    class RecordingRunner(LlamaRunner):
+        def forward(self, *args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return super().forward(*args, **kwargs)
+
+        def __init__(self, config: EngineConfig) -> None:
+            threads.append(threading.current_thread().name)
+            super().__init__(config)
+
+    monkeypatch.setattr(engine_module, "LlamaRunner", RecordingRunner)
+    engine = Engine.from_config(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64))
+    assert engine.scheduler is None and not threads  # nothing loaded before start()
+    engine.start()
+    try:
+        assert engine.scheduler.prefill_budget.costs.decode_step_s  # calibrated by the time start() returns
+        assert set(threads) == {"cpu-engine"}
+    finally:
+        engine.stop()
+
+    broken = Engine.from_config(EngineConfig(checkpoint_dir=tmp_path, max_batch_size=2, max_seq_len=64))
+    with pytest.raises(RuntimeError, match="the CPU engine failed to start"):
+        broken.start()  # no checkpoint there: the model fails to load, with the reason
+    assert not broken.alive

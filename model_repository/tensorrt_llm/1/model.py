@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -104,9 +104,12 @@ class TritonChannel:
 
     A decoupled Python-backend send is a synchronous round trip: the stub waits until the Triton
     process has taken the response (with the GIL released); so is `is_cancelled()`. One after another,
-    16 streams' sends took ~12 ms of a ~120 ms batch-16 step here; from 8 threads, ~5 ms. The engine
-    calls `flush()` after every step, before its next forward, so the sends do not compete with the
-    forward for the CPU; one request's responses go out in order from one thread.
+    16 streams' sends took ~12 ms of a ~120 ms batch-16 step here; from 8 threads, ~5 ms. `flush()`, which
+    the engine calls after every step, hands the step's responses to the delivery threads and returns:
+    they go out while the next step computes instead of holding it up (mostly waiting on the other
+    process, not computing). Before handing over a step's responses it waits for the previous step's, so
+    one request's responses go out in order, from one thread at a time, and at most one step's
+    responses are in flight; `wait()` (and `close()`) wait for them.
     """
 
     THREADS = 8
@@ -114,19 +117,23 @@ class TritonChannel:
     def __init__(self, threads: int = THREADS):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-channel") if threads > 1 else None
         self._queued: dict[int, tuple[object, list[tuple[object, int]]]] = {}
+        self._in_flight: list[Future] = []
 
     def send(self, sender, response=None, flags: int = 0) -> None:
         self._queued.setdefault(id(sender), (sender, []))[1].append((response, flags))
 
     def flush(self) -> None:
+        self.wait()
         queued, self._queued = list(self._queued.values()), {}
-        if self._pool is None or len(queued) == 1:
-            errors = [_deliver(sender, responses) for sender, responses in queued]
+        if self._pool is None:
+            _log_send_errors([_deliver(sender, responses) for sender, responses in queued])
         else:
-            errors = list(self._pool.map(lambda item: _deliver(*item), queued))
-        for error in errors:
-            if error is not None:  # e.g. the client went away meanwhile; the others go on
-                pb_utils.Logger.log_warn(f"sending a response failed: {error}")
+            self._in_flight = [self._pool.submit(_deliver, sender, responses) for sender, responses in queued]
+
+    def wait(self) -> None:
+        """Until the responses handed over by the last `flush()` are delivered."""
+        in_flight, self._in_flight = self._in_flight, []
+        _log_send_errors([future.result() for future in in_flight])
 
     def cancelled(self, requests: list[GenerationRequest]) -> list[bool]:
         """Whether Triton has cancelled each request (client gone): one round trip each, made together."""
@@ -136,8 +143,15 @@ class TritonChannel:
 
     def close(self) -> None:
         self.flush()
+        self.wait()
         if self._pool is not None:
             self._pool.shutdown()
+
+
+def _log_send_errors(errors: list[Exception | None]) -> None:
+    for error in errors:
+        if error is not None:  # e.g. the client went away meanwhile; the others go on
+            pb_utils.Logger.log_warn(f"sending a response failed: {error}")
 
 
 def _deliver(sender, responses: list[tuple[object, int]]) -> Exception | None:
@@ -286,16 +300,20 @@ class TritonPythonModel:
             engine_config, cancelled=self.channel.cancelled, on_stats=self.metrics.publish,
             after_step=self._after_step, on_failure=self._engine_failed,
             max_queued=int(_param(config, "cpu_max_queue_size", "0") or 0))
+        self.engine.start()  # loads the weights and measures the machine, on the engine's own thread
+        pb_utils.Logger.log_info(self.engine.describe())
         self.guide_compiler = None
         if guided_backend == "xgrammar":
             from cpu_engine.guided import GuideCompiler  # imports xgrammar: only when guided decoding is on
 
             tokenizer_dir = _param(config, "tokenizer_dir", "") or str(engine_config.checkpoint_dir)
-            self.guide_compiler = GuideCompiler.from_tokenizer_dir(
-                tokenizer_dir, vocab_size=self.engine.scheduler.runner.vocab_size)
+            try:
+                self.guide_compiler = GuideCompiler.from_tokenizer_dir(
+                    tokenizer_dir, vocab_size=self.engine.scheduler.runner.vocab_size)
+            except Exception:  # the model fails to load: its engine thread must not outlive it
+                self.engine.stop()
+                raise
             pb_utils.Logger.log_info(f"guided decoding: xgrammar, tokenizer from {tokenizer_dir}")
-        pb_utils.Logger.log_info(self.engine.describe())
-        self.engine.start()
 
     def _make_channel(self) -> TritonChannel:
         """The engine's way to Triton (a subclass may hold responses back: tests/integration/engine_knobs.py)."""
