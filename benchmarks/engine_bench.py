@@ -306,7 +306,7 @@ def run_shared_prefix(base_url: str, model: str, tokenizer: object, metrics_url:
 def run_c64(engine_dir: Path, c64_dir: Path, logs: Path, max_seq_len: int, quick: bool) -> dict:
     kv_tokens = C64_KV_SLOTS * max_seq_len
     build = scenarios.build_c64_engine(engine_dir, c64_dir, C64_CONCURRENCY, kv_tokens)
-    print(f"(d) engine {build['engine_dir']} ({'reused' if build['reused'] else 'built'}): max_batch_size "
+    print(f"(d) engine {build['engine_dir']}: max_batch_size "
           f"{build['max_batch_size']}, KV cache {scenarios.fmt(build['kv_cache_tokens'])} tokens "
           f"(= {C64_KV_SLOTS} x {max_seq_len})", flush=True)
     model = build["served_model_name"]

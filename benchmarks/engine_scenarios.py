@@ -322,34 +322,21 @@ def kv_cache_tokens_of(build_dir: Path) -> int:
 
 
 def build_c64_engine(base_engine_dir: Path, out_dir: Path, max_batch_size: int, kv_cache_tokens: int) -> dict[str, Any]:
-    """An engine of the base engine's checkpoint, dtype, max_seq_len and max_num_tokens with `max_batch_size`
-    slots and a KV pool of `kv_cache_tokens` tokens, in `out_dir`: reused if one is there already."""
+    """An engine of the base engine's checkpoint (`--model`: the very same weights), dtype, max_seq_len and
+    max_num_tokens with `max_batch_size` slots and a KV pool of `kv_cache_tokens` tokens, in `out_dir`. Built
+    every time: it only writes the config and renders the repository, and a repository rendered earlier
+    would carry a copy of an older model.py."""
     base = json.loads((base_engine_dir / "engine" / "engine_config.json").read_text())
-
-    def matches() -> bool:
-        path = out_dir / "engine" / "engine_config.json"
-        if not path.is_file() or not (out_dir / "model_repository" / ENGINE_MODEL / "config.pbtxt").is_file():
-            return False
-        built = json.loads(path.read_text())
-        same = (built.get("checkpoint_dir") == base["checkpoint_dir"] and built.get("dtype") == base["dtype"]
-                and built.get("max_batch_size") == max_batch_size and built.get("max_seq_len") == base["max_seq_len"]
-                and built.get("max_num_tokens") == base["max_num_tokens"])
-        return same and kv_cache_tokens_of(out_dir) == kv_cache_tokens
-
-    reused = matches()
-    if not reused:
-        # The base engine's checkpoint (--model), so both engines run the very same weights.
-        command = [sys.executable, "-m", "build_engine", "--model", base["checkpoint_dir"],
-                   "--output-dir", str(out_dir),
-                   "--dtype", base["dtype"], "--max-batch-size", str(max_batch_size),
-                   "--max-seq-len", str(base["max_seq_len"]), "--max-num-tokens", str(base["max_num_tokens"]),
-                   "--kv-cache-tokens", str(kv_cache_tokens)]
-        print(f"  (d) building: {' '.join(command[1:])}", flush=True)
-        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"build_engine failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    command = [sys.executable, "-m", "build_engine", "--model", base["checkpoint_dir"], "--output-dir", str(out_dir),
+               "--dtype", base["dtype"], "--max-batch-size", str(max_batch_size),
+               "--max-seq-len", str(base["max_seq_len"]), "--max-num-tokens", str(base["max_num_tokens"]),
+               "--kv-cache-tokens", str(kv_cache_tokens)]
+    print(f"  (d) building: {' '.join(command[1:])}", flush=True)
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"build_engine failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     built = json.loads((out_dir / "engine" / "engine_config.json").read_text())
-    return {"engine_dir": str(out_dir), "reused": reused, "max_batch_size": built["max_batch_size"],
+    return {"engine_dir": str(out_dir), "max_batch_size": built["max_batch_size"],
             "max_seq_len": built["max_seq_len"], "served_model_name": built["served_model_name"],
             "kv_cache_tokens": kv_cache_tokens_of(out_dir)}
 

@@ -19,7 +19,7 @@ from build_engine.cpu_engine_builder import (
 from build_engine.demo_checkpoint import ensure_demo_checkpoint
 from build_engine.errors import BuildError
 from build_engine.limits import EngineLimits, resolve_limits
-from build_engine.render import render_repository
+from build_engine.render import render_repository, stale_copies
 from build_engine.values import repository_values
 from build_engine.xgrammar_info import XgrammarInfoError, tokenizer_info, write_tokenizer_info
 
@@ -89,6 +89,10 @@ def existing_build(request: BuildRequest) -> BuildResult | None:
         return None
     explicit = request.preset is not None or request.model is not None
     if config.get("backend") != request.backend or (explicit and config.get("source") != request.source):
+        return None
+    # A CPU build rendered by an older checkout carries that checkout's model code, which may not match the
+    # engine package it now runs with: rebuild (for the CPU engine that is a re-render, seconds).
+    if request.backend == "cpu" and stale_copies(TEMPLATE_DIR, request.repository_dir):
         return None
     # A TensorRT engine only loads in the TensorRT-LLM version that built it: rebuild after an image upgrade.
     if request.backend == "trtllm":

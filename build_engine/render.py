@@ -66,6 +66,22 @@ def render_repository(template_dir: Path, values: Mapping[str, str], out_dir: Pa
         config.write_text(PLACEHOLDER.sub(lambda match: values[match.group(1)], config.read_text()))
 
 
+def stale_copies(template_dir: Path, out_dir: Path) -> list[Path]:
+    """The files of a rendered repository that are no longer what the templates would copy there (every
+    file but the filled-in configs): a repository rendered before an upgrade carries the old model code."""
+    template_dir = Path(template_dir).resolve()
+    stale = []
+    for model in model_templates(template_dir):
+        for source in sorted(model.rglob("*")):
+            if (not source.is_file() or source.name in (CONFIG_FILE, ".gitkeep")
+                    or "__pycache__" in source.relative_to(model).parts):
+                continue
+            copy = Path(out_dir) / source.relative_to(template_dir)
+            if not copy.is_file() or copy.read_bytes() != source.read_bytes():
+                stale.append(copy)
+    return stale
+
+
 def _check_locations(template_dir: Path, out_dir: Path) -> None:
     if not template_dir.is_dir():
         raise RenderError(f"template directory {template_dir} does not exist")

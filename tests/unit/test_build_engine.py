@@ -267,3 +267,17 @@ def test_cli_if_missing(tiny_build: BuildRequest, capsys: pytest.CaptureFixture[
     assert "engine already built at" in capsys.readouterr().out
     assert main(["--output-dir", output, "--preset", "tiny", "--if-missing"]) == 0
     assert existing_build(BuildRequest(output_dir=tiny_build.output_dir, preset="small")) is None
+
+
+def test_if_missing_rebuilds_a_cpu_repository_whose_model_code_is_stale(tiny_build: BuildRequest) -> None:
+    """After an upgrade, a repository rendered by the old checkout carries the old model.py, which may not
+    match the engine package it would run with: --if-missing must not serve it as is."""
+    assert existing_build(tiny_build) is not None
+    copied = tiny_build.repository_dir / "tensorrt_llm" / "1" / "model.py"
+    original = copied.read_text()
+    copied.write_text(original + "\n# rendered by an older checkout\n")
+    try:
+        assert existing_build(tiny_build) is None
+    finally:
+        copied.write_text(original)
+    assert existing_build(tiny_build) is not None
