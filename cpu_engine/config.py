@@ -2,8 +2,8 @@
 
 `build_engine` writes that file; like a TensorRT-LLM engine, the engine directory fixes the batch size,
 sequence length, KV block size and dtype, and the Triton config only adds runtime knobs (threads, prefill
-pacing, the KV cache's size in tokens and whether prefixes are reused: TensorRT-LLM's
-`max_tokens_in_paged_kv_cache` and `enable_kv_cache_reuse`).
+pacing, the KV cache's size in tokens (`cpu_kv_cache_tokens`) and whether prefixes are reused
+(TensorRT-LLM's own `enable_kv_cache_reuse`).
 """
 
 from __future__ import annotations

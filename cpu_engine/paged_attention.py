@@ -16,8 +16,6 @@ bfloat16); bfloat16 engines keep the gather.
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 import torch

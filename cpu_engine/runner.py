@@ -178,7 +178,7 @@ class LlamaRunner:
             raise ValueError(
                 f"cannot allocate a KV cache of {self.num_blocks * self.block_size} tokens "
                 f"({2 * torch.tensor([], dtype=self.dtype).element_size() * len(self.layers) * self.kv_size} "
-                f"bytes each): lower max_tokens_in_paged_kv_cache ({exc})") from exc
+                f"bytes each): lower cpu_kv_cache_tokens ({exc})") from exc
 
         # Decode attention reads the pool in place (float32); bfloat16 gathers (see the module docstring).
         self.in_place_decode = self.dtype == torch.float32
