@@ -75,15 +75,16 @@ def test_metrics_go_out_from_their_own_thread_and_never_hold_the_engine(checkpoi
 
 def test_latest_only_replaces_what_waits_and_delivers_the_last_value_on_close() -> None:
     seen: list[int] = []
-    gate = threading.Event()
+    gate, taken = threading.Event(), threading.Event()
 
     def consume(value: int) -> None:
+        taken.set()
         gate.wait(10)
         seen.append(value)
 
     publisher = _LatestOnly(consume, 0.0)
     publisher.offer(1)
-    time.sleep(0.05)  # the consumer holds 1
+    assert taken.wait(10)  # the consumer holds 1
     for value in (2, 3, 4):
         publisher.offer(value)
     gate.set()
@@ -117,15 +118,31 @@ class SlowSender:
         self.log.append((self.name, response, flags))
 
 
+class GatedSender(SlowSender):
+    """A sender whose first send waits until the test opens the gate."""
+
+    def __init__(self, log: list[tuple[str, object, int]], name: str, gate: threading.Event):
+        super().__init__(log, name)
+        self.gate = gate
+
+    def send(self, response=None, flags: int = 0) -> None:
+        assert self.gate.wait(10)
+        super().send(response, flags)
+
+
 def test_flush_returns_before_delivery_and_keeps_each_request_in_order(glue_module) -> None:
     log: list[tuple[str, object, int]] = []
     channel = glue_module.TritonChannel()
-    a, b = SlowSender(log, "a"), SlowSender(log, "b")
+    gate = threading.Event()
+    a, b = GatedSender(log, "a", gate), SlowSender(log, "b")
     channel.send(a, "a1")
     channel.send(b, "b1")
-    started = time.monotonic()
-    channel.flush()
-    assert time.monotonic() - started < 0.02  # handed over, not waited for
+    flushing = threading.Thread(target=channel.flush)
+    flushing.start()
+    flushing.join(10)
+    assert not flushing.is_alive()  # returned although a1 cannot go out yet: handed over, not waited for
+    assert ("a", "a1", 0) not in log
+    gate.set()
     channel.send(a, "a2")
     channel.send(a, "a3", flags=1)
     channel.flush()  # waits for step 1's responses first
