@@ -1,0 +1,361 @@
+"""deploy/kubernetes: the rendered manifests agree with the code they deploy.
+
+Each overlay is rendered with `kubectl kustomize` (kubectl is on these machines and in CI) and compared with
+what `make serve` does: the launcher's ports, environment and health checks (launcher/__main__.py, read by
+calling it, not restated here), the frontend's routes, the commands of the Makefile's `serve` target. A
+changed port, probe path or command in the code fails here until the manifests follow. Also checked: what
+the schema validation of `make lint` cannot see in the custom resources (InferencePool, LeaderWorkerSet),
+and that every metric name the autoscaler and the endpoint picker read is one the model servers export
+(tests/integration/test_kubernetes_metrics.py scrapes a running CPU stack for the same names).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+
+import launcher.__main__ as launcher_main
+import launcher.tritonserver as launcher_tritonserver
+from frontend.routes import router
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "kubernetes"
+OVERLAYS = ("cpu", "gpu", "tp", "multinode")
+# Gateway API Inference Extension v1.5.0, docs/proposals/003-model-server-protocol: Triton TensorRT-LLM's
+# names for the signals the endpoint picker reads.
+PROTOCOL_TRTLLM = {
+    "queuedRequestsSpec": "nv_trt_llm_request_metrics{request_type=waiting}",
+    "runningRequestsSpec": "nv_trt_llm_request_metrics{request_type=scheduled}",
+    "kvUsageSpec": "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}",
+}
+LAUNCHER_ENV = ("FRONTEND_HOST", "FRONTEND_PORT", "TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT",
+                "ENGINE_MODEL", "SHUTDOWN_GRACE_S", "TRITON_READY_TIMEOUT", "SSL_CERTFILE", "SSL_KEYFILE",
+                "API_KEYS", "API_KEYS_FILE", "MAX_RESTARTS_PER_MINUTE")
+
+
+# ----- rendering and lookups (also used by the integration test) ---------------------------------------
+@cache
+def render(overlay: str) -> tuple[dict[str, Any], ...]:
+    """Every resource of one overlay, as `kubectl kustomize` renders it."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render deploy/kubernetes (it ships kustomize)"
+    out = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    return tuple(doc for doc in yaml.safe_load_all(out) if doc)
+
+
+def resource(docs: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} rendered"
+    return found[0]
+
+
+def server_pod(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """The serving pod's template: the Deployment's, or the LeaderWorkerSet leader's."""
+    for doc in docs:
+        if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "tritonllm":
+            return doc["spec"]["template"]
+        if doc["kind"] == "LeaderWorkerSet":
+            return doc["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    raise AssertionError("no server pod rendered")
+
+
+def container(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    spec = pod["spec"]
+    found = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == name]
+    assert len(found) == 1, f"container {name}: {len(found)}"
+    return found[0]
+
+
+def env_of(c: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+
+
+def ports_of(c: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+
+
+def epp_config(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    return yaml.safe_load(resource(docs, "ConfigMap", "tritonllm-endpoint-picker")["data"]["epp.yaml"])
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """A metric spec as the endpoint picker writes it, `name{label=value,...}`, into name and labels."""
+    match = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?", spec)
+    assert match, f"not a metric spec: {spec!r}"
+    labels = dict(pair.split("=", 1) for pair in match.group(2).split(",")) if match.group(2) else {}
+    return match.group(1), {k.strip(): v.strip().strip('"') for k, v in labels.items()}
+
+
+def picker_metrics(docs: tuple[dict[str, Any], ...]) -> dict[str, tuple[str, dict[str, str]]]:
+    """What the endpoint picker reads from this overlay's pods: the engine config named by their label."""
+    engine = server_pod(docs)["metadata"]["labels"]["inference.networking.k8s.io/engine-type"]
+    extractor = next(p for p in epp_config(docs)["plugins"] if p["type"] == "core-metrics-extractor")
+    configs = {c["name"]: c for c in extractor["parameters"]["engineConfigs"]}
+    assert engine in configs, f"pods say engine {engine!r}; the picker knows {sorted(configs)}"
+    return {field: parse_spec(spec) for field, spec in configs[engine].items() if field.endswith("Spec") and spec}
+
+
+def adapter_rules() -> dict[str, tuple[str, dict[str, str]]]:
+    """prometheus-adapter's rules: custom metric name -> the series (name, label filter) it comes from."""
+    values = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-values.yaml").read_text())
+    rules = {}
+    for rule in values["rules"]["custom"]:
+        name, labels = parse_spec(rule["seriesQuery"].strip("'"))
+        labels = {k: v for k, v in labels.items() if not k.endswith("!")}  # namespace!="", pod!=""
+        rules[rule["name"]["as"]] = (name, labels)
+    return rules
+
+
+def autoscaler_metrics(docs: tuple[dict[str, Any], ...]) -> dict[str, tuple[str, dict[str, str]]]:
+    """The series behind each metric the HPA scales on (through prometheus-adapter)."""
+    hpa = resource(docs, "HorizontalPodAutoscaler", "tritonllm")
+    names = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]]
+    rules = adapter_rules()
+    missing = [n for n in names if n not in rules]
+    assert not missing, f"the HPA asks for {missing}, which no prometheus-adapter rule provides"
+    return {name: rules[name] for name in names}
+
+
+# ----- what `make serve` does, asked from the code -----------------------------------------------------
+@pytest.fixture
+def launcher_config(monkeypatch: pytest.MonkeyPatch) -> launcher_main.Config:
+    """The launcher's defaults, bound to all interfaces as a pod must be (FRONTEND_HOST=0.0.0.0 make serve)."""
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FRONTEND_HOST", "0.0.0.0")
+    return launcher_main.load_config(launcher_main.build_parser().parse_args(["serve"]))
+
+
+def launcher_frontend_env(cfg: launcher_main.Config, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The environment `make serve` starts the frontend with (start_frontend, its Popen intercepted)."""
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(launcher_main.subprocess, "Popen", lambda argv, env, **kw: seen.update(argv=argv, env=env))
+    launcher_main.start_frontend(cfg)
+    assert seen["argv"][1:] == ["-m", "frontend"]
+    return seen["env"]
+
+
+def launcher_probe_paths(cfg: launcher_main.Config, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, list[str]]:
+    """The URL paths the launcher probes: frontend readiness, frontend liveness, Triton readiness."""
+    urls: list[str] = []
+    monkeypatch.setattr(launcher_main, "_http_get", lambda url, *a, **kw: urls.append(url) or (200, b""))
+    alive = SimpleNamespace(poll=lambda: None)
+    launcher_main.wait_frontend_ready(cfg, alive, alive)  # type: ignore[arg-type]
+    launcher_main.FrontendProcess(cfg).ready()
+    triton_urls: list[str] = []
+    monkeypatch.setattr(launcher_tritonserver, "_http_ok", lambda url: triton_urls.append(url) or True)
+    launcher_main.TritonProcess(cfg).ready()
+    base = cfg.frontend_base
+    assert all(u.startswith(base) for u in urls), urls
+    return urls[0][len(base):], urls[1][len(base):], [re.sub(r"^http://[^/]+", "", u) for u in triton_urls]
+
+
+def make_serve_commands() -> list[list[str]]:
+    """The commands of `make serve` (make -n), with the pod's build folder."""
+    out = subprocess.run(["make", "-n", "serve", "PY=python", "BUILD=/workspace/build"], cwd=REPO, check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    commands = [line.split() for line in out.splitlines()  # (the venv's install steps may show up too)
+                if line.startswith(("python -m build_engine ", "python -m launcher "))]
+    assert [c[:3] for c in commands] == [["python", "-m", "build_engine"], ["python", "-m", "launcher"]], out
+    return commands
+
+
+def load_triton_cpu() -> Any:
+    spec = importlib.util.spec_from_file_location("triton_cpu", K8S / "overlays" / "cpu" / "triton_cpu.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----- every overlay -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_one_frontend_pod_that_hides_triton(overlay: str) -> None:
+    docs = render(overlay)
+    pod = server_pod(docs)
+    frontend, triton = container(pod, "frontend"), container(pod, "triton")
+    assert triton.get("restartPolicy") == "Always", "Triton runs as a sidecar: up before the frontend, down after"
+    # Triton's HTTP/gRPC stay on the pod's loopback; only the frontend and Triton's metrics are declared.
+    assert ports_of(frontend) == {"http": 9000}
+    assert ports_of(triton) == {"triton-metrics": 8002}
+    assert env_of(frontend)["TRITON_GRPC_URL"].startswith("127.0.0.1:")
+    if "TRITON_ADDRESS" in env_of(triton):
+        assert env_of(triton)["TRITON_ADDRESS"] == "127.0.0.1"
+    # The one Service exposes the frontend only.
+    service = resource(docs, "Service", "tritonllm")
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    # No secret in a manifest: API keys come from a file mounted from the Secret the user creates.
+    assert env_of(frontend)["API_KEYS_FILE"].startswith("/etc/tritonllm/api-keys/")
+    assert "API_KEYS" not in env_of(frontend)
+    secrets = {v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v}
+    assert "tritonllm-api-keys" in secrets
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    # Scale-down drains: the grace period covers preStop and the frontend's SHUTDOWN_GRACE_S, with room.
+    pre_stop = frontend["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert pod["spec"]["terminationGracePeriodSeconds"] > int(pre_stop[1]) + float(env_of(frontend)["SHUTDOWN_GRACE_S"]) + 15
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_inference_pool_selects_the_server_pods_through_the_frontend(overlay: str) -> None:
+    docs = render(overlay)
+    pod = server_pod(docs)
+    pool = resource(docs, "InferencePool", "tritonllm")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    labels = pod["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports_of(container(pod, "frontend"))["http"]]
+    # The picker it names exists, on that port, and scrapes Triton's metrics port of these pods.
+    ref = pool["spec"]["endpointPickerRef"]
+    epp_service = resource(docs, "Service", ref["name"])
+    assert ref["port"]["number"] in [p["port"] for p in epp_service["spec"]["ports"]]
+    epp = resource(docs, "Deployment", ref["name"])
+    assert epp_service["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    args = epp["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--model-server-metrics-port={ports_of(container(pod, 'triton'))['triton-metrics']}" in args
+    assert "--pool-name=tritonllm" in args
+    route = resource(docs, "HTTPRoute", "tritonllm")
+    assert route["spec"]["rules"][0]["backendRefs"][0]["name"] == "tritonllm"
+    # Only the frontend port is open to all; Triton's metrics only to the picker (and Prometheus).
+    policy = resource(docs, "NetworkPolicy", "tritonllm-server")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    open_rule, metrics_rule = policy["spec"]["ingress"]
+    assert "from" not in open_rule and [p["port"] for p in open_rule["ports"]] == [9000]
+    assert [p["port"] for p in metrics_rule["ports"]] == [8002]
+    assert {"podSelector": {"matchLabels": epp["spec"]["selector"]["matchLabels"]}} in metrics_rule["from"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_autoscaler_and_budget_target_the_servers(overlay: str) -> None:
+    docs = render(overlay)
+    hpa = resource(docs, "HorizontalPodAutoscaler", "tritonllm")
+    target = hpa["spec"]["scaleTargetRef"]
+    scaled = resource(docs, target["kind"], target["name"])
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    assert "replicas" not in scaled["spec"], "the HPA owns the replica count; re-applying must not reset it"
+    metrics = autoscaler_metrics(docs)
+    assert "tritonllm_requests_queued" in metrics and len(metrics) == 2
+    pdb = resource(docs, "PodDisruptionBudget", "tritonllm")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= server_pod(docs)["metadata"]["labels"].items()
+
+
+def test_gpu_overlays_read_the_protocol_names_of_triton_tensorrt_llm() -> None:
+    """The names cannot be scraped without a GPU; they must at least be the extension's own."""
+    for overlay in ("gpu", "tp", "multinode"):
+        docs = render(overlay)
+        specs = {field: f"{name}{{{','.join(f'{k}={v}' for k, v in labels.items())}}}"
+                 for field, (name, labels) in picker_metrics(docs).items()}
+        assert {k: specs[k] for k in PROTOCOL_TRTLLM} == PROTOCOL_TRTLLM
+        assert autoscaler_metrics(docs)["trtllm_requests_waiting"] == ("nv_trt_llm_request_metrics",
+                                                                       {"request_type": "waiting"})
+
+
+def test_tp_overlay_gives_triton_the_gpus_the_engine_is_built_for() -> None:
+    docs = render("tp")
+    job = resource(docs, "Job", "engine-build")["spec"]["template"]["spec"]["containers"][0]
+    tp_size = env_of(job)["TP_SIZE"]
+    assert int(tp_size) > 1
+    triton = container(server_pod(docs), "triton")
+    assert triton["resources"]["limits"]["nvidia.com/gpu"] == tp_size
+    assert job["resources"]["limits"]["nvidia.com/gpu"] == tp_size
+
+
+def test_multinode_overlay_spreads_the_engine_over_the_group() -> None:
+    docs = render("multinode")
+    assert not [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tritonllm"]
+    lws = resource(docs, "LeaderWorkerSet", "tritonllm")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    gpus_per_pod = int(container(server_pod(docs), "triton")["resources"]["limits"]["nvidia.com/gpu"])
+    tp_size = int(env_of(resource(docs, "Job", "engine-build")["spec"]["template"]["spec"]["containers"][0])["TP_SIZE"])
+    assert template["size"] * gpus_per_pod == tp_size
+    leader_triton = container(server_pod(docs), "triton")
+    assert leader_triton["command"][:3] == ["python", "-m", "launcher.mpi"]
+    assert "OMPI_MCA_orte_default_hostfile" in env_of(leader_triton)
+    worker_labels = template["workerTemplate"]["metadata"]["labels"]
+    assert worker_labels["app.kubernetes.io/component"] != "server", "workers serve nothing: not in the pool"
+
+
+# ----- the CPU overlay against `make serve` --------------------------------------------------------------
+def test_cpu_pod_has_the_ports_and_environment_of_make_serve(launcher_config: launcher_main.Config,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = launcher_config
+    pod = server_pod(render("cpu"))
+    frontend, triton = container(pod, "frontend"), container(pod, "triton")
+    expected = launcher_frontend_env(cfg, monkeypatch)
+    got = env_of(frontend)
+    for name in ("FRONTEND_HOST", "FRONTEND_PORT", "TRITON_GRPC_URL", "TRITON_HTTP_URL", "ENGINE_MODEL"):
+        assert got[name] == expected[name], name
+    assert float(got["SHUTDOWN_GRACE_S"]) == cfg.shutdown_grace_s
+    assert ports_of(frontend)["http"] == cfg.frontend_port
+    # Triton reads the launcher's variables with the launcher's code (triton_cpu.py): same values here.
+    triton_env = env_of(triton)
+    assert int(triton_env["TRITON_HTTP_PORT"]) == cfg.http_port
+    assert int(triton_env["TRITON_GRPC_PORT"]) == cfg.grpc_port
+    assert int(triton_env["TRITON_METRICS_PORT"]) == cfg.metrics_port == ports_of(triton)["triton-metrics"]
+    assert triton_env["ENGINE_MODEL"] == cfg.engine_model
+
+
+def test_cpu_pod_probes_what_make_serve_probes(launcher_config: launcher_main.Config,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = launcher_config
+    ready_path, live_path, triton_paths = launcher_probe_paths(cfg, monkeypatch)
+    routes = {route.path for route in router.routes}
+    assert {ready_path, live_path} <= routes
+    pod = server_pod(render("cpu"))
+    frontend, triton = container(pod, "frontend"), container(pod, "triton")
+    assert frontend["readinessProbe"]["httpGet"] == {"path": ready_path, "port": "http"}
+    assert frontend["livenessProbe"]["httpGet"] == {"path": live_path, "port": "http"}
+    assert frontend["startupProbe"]["httpGet"]["path"] == live_path
+    # Triton: ready when the launcher would start the frontend (server and engine model ready), within the
+    # launcher's TRITON_READY_TIMEOUT.
+    startup = triton["startupProbe"]
+    script = startup["exec"]["command"][-1]
+    for path in triton_paths:
+        assert path.replace(f"/{cfg.engine_model}/", '/" + os.environ["ENGINE_MODEL"] + "/') in script, path
+    assert 'os.environ["TRITON_HTTP_PORT"]' in script and "127.0.0.1" in script
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= cfg.triton_ready_timeout_s
+
+
+def test_cpu_pod_runs_the_commands_of_make_serve(tmp_path: Path, launcher_config: launcher_main.Config) -> None:
+    build_step, serve_step = make_serve_commands()
+    pod = server_pod(render("cpu"))
+    assert container(pod, "build-engine")["command"] == build_step
+    triton = container(pod, "triton")
+    assert triton["command"][:2] == ["python", "/scripts/triton_cpu.py"]
+    assert triton["command"][2:] == serve_step[4:], "the launcher's serve arguments (repository, work dir)"
+    # The script the pod runs is this file, from the generated ConfigMap.
+    docs = render("cpu")
+    mount = next(m for m in triton["volumeMounts"] if m["mountPath"] == "/scripts")
+    configmap_name = next(v["configMap"]["name"] for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+    configmap = resource(docs, "ConfigMap", configmap_name)
+    assert configmap["data"]["triton_cpu.py"] == (K8S / "overlays" / "cpu" / "triton_cpu.py").read_text()
+
+
+def test_triton_cpu_execs_the_launchers_tritonserver_with_metrics_on_the_pod_ip(
+        tmp_path: Path, launcher_config: launcher_main.Config) -> None:
+    cfg = launcher_config
+    argv, env = load_triton_cpu().command(["--model-repository", str(tmp_path / "repo"), "--work-dir", str(tmp_path)])
+    launcher_argv = launcher_tritonserver.TritonServer(
+        tmp_path / "repo", cfg.http_port, cfg.grpc_port, cfg.metrics_port, log_file=tmp_path / "log",
+        work_dir=tmp_path, model_name=cfg.engine_model).command()
+    assert argv == [*launcher_argv, "--metrics-address=0.0.0.0"]  # tritonserver keeps the last value
+    assert "--http-address=127.0.0.1" in argv and "--grpc-address=127.0.0.1" in argv
+    assert f"--metrics-port={cfg.metrics_port}" in argv
+    assert Path(argv[0]).is_file() and "LD_LIBRARY_PATH" in env
+
+
+def test_cpu_overlay_reads_cpu_engine_metrics() -> None:
+    docs = render("cpu")
+    names = {name for name, _ in picker_metrics(docs).values()} | {n for n, _ in autoscaler_metrics(docs).values()}
+    assert names and not [n for n in names if n.startswith("nv_trt_llm")], names
+    assert picker_metrics(docs)["kvUsageSpec"][0] == "cpu_engine_kv_cache_usage_ratio"
