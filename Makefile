@@ -1,4 +1,4 @@
-# make engine | serve | test | bench | bench-pa   (see README.md)
+# make engine | serve | rollout | rollback | test | bench | bench-pa   (see README.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,9 +7,16 @@ BUILD ?= build
 BACKEND ?= cpu
 MODEL ?=
 PRESET ?=
+# NAME: build a new version of a named model into $(BUILD)/models (several models, rollout and rollback).
+NAME ?=
+VERSION ?=
+KEEP_VERSIONS ?=
 ENGINE_FLAGS := --backend $(BACKEND) --output-dir $(BUILD) $(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET))
+NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-versions $(KEEP_VERSIONS))
+# `make serve` serves the named models when there are any, else the one default engine.
+NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)
 
-.PHONY: install engine serve test soak bench bench-pa clean lint
+.PHONY: install engine serve rollout rollback test soak bench bench-pa clean lint
 
 # A venv with every role's pinned dependencies; rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -21,12 +28,26 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 engine: install
-	$(PY) -m build_engine $(ENGINE_FLAGS)
+	$(PY) -m build_engine $(ENGINE_FLAGS) $(NAMED_FLAGS)
 
 # Builds the default demo engine only if none exists (or if MODEL/PRESET asks for another one).
+ifeq ($(NAMED_MODELS),)
 serve: install
 	$(PY) -m build_engine --if-missing $(ENGINE_FLAGS)
 	$(PY) -m launcher serve --model-repository $(BUILD)/model_repository --work-dir $(BUILD)
+else
+serve: install
+	$(PY) -m launcher serve --model-repository $(BUILD)/models --work-dir $(BUILD)
+endif
+
+# Talk to the running `make serve` (same FRONTEND_PORT): print the version now live.
+rollout: install
+	@test -n "$(NAME)" || { echo "usage: make rollout NAME=<model> [VERSION=<n>]" >&2; exit 2; }
+	$(PY) -m launcher rollout --name $(NAME) $(if $(VERSION),--version $(VERSION)) --work-dir $(BUILD)
+
+rollback: install
+	@test -n "$(NAME)" || { echo "usage: make rollback NAME=<model>" >&2; exit 2; }
+	$(PY) -m launcher rollback --name $(NAME) --work-dir $(BUILD)
 
 test: install
 	$(PY) -m pytest -q
@@ -50,10 +71,35 @@ bench-pa: install
 
 # docker/: the compose file must validate (docker-compose v1 from Debian, no daemon needed) and the
 # Dockerfiles must pass hadolint (pinned in the dev extra). MODEL_DIR is only interpolated, never read.
-lint: install
+lint: install lint-k8s
 	command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose; }
 	MODEL_DIR=/models/hf docker-compose -f docker/compose.yaml config --quiet
-	$(VENV)/bin/hadolint docker/Dockerfile.trtllm docker/Dockerfile.frontend
+	$(VENV)/bin/hadolint docker/Dockerfile.trtllm docker/Dockerfile.frontend docker/Dockerfile.cpu
+
+# deploy/kubernetes/, offline: every overlay renders (kubectl's built-in kustomize), every core resource
+# validates against the Kubernetes $(K8S_VERSION) schemas (strict: unknown fields fail), and checkov finds
+# nothing beyond the skips justified in deploy/kubernetes/.checkov.yaml. The tools live in their own venv,
+# pinned by deploy/kubernetes/lint-requirements.txt (checkov's many pins must not move the project's).
+K8S_VERSION := 1.33.0
+K8S_DIR := deploy/kubernetes
+LINT_VENV := $(BUILD)/lint-venv
+K8S_RENDERED := $(BUILD)/k8s-rendered
+
+$(LINT_VENV)/.installed: $(K8S_DIR)/lint-requirements.txt $(K8S_DIR)/lint-constraints.txt
+	rm -rf $(LINT_VENV)
+	$(PYTHON) -m venv $(LINT_VENV)
+	cd $(K8S_DIR) && $(abspath $(LINT_VENV))/bin/python -m pip install --quiet --disable-pip-version-check \
+		-r lint-requirements.txt
+	touch $@
+
+.PHONY: lint-k8s
+lint-k8s: $(LINT_VENV)/.installed
+	rm -rf $(K8S_RENDERED) && mkdir -p $(K8S_RENDERED)
+	for dir in $(K8S_DIR)/overlays/* $(K8S_DIR)/monitoring; do \
+		kubectl kustomize "$$dir" > $(K8S_RENDERED)/$$(basename "$$dir").yaml || exit 1; \
+	done
+	$(LINT_VENV)/bin/python $(K8S_DIR)/validate.py $(K8S_VERSION) $(K8S_RENDERED)/*.yaml
+	$(LINT_VENV)/bin/checkov --config-file $(K8S_DIR)/.checkov.yaml --directory $(K8S_RENDERED)
 
 clean:
 	rm -rf $(BUILD)

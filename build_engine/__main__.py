@@ -10,13 +10,24 @@ from build_engine import trtllm
 from build_engine.cpu_engine_builder import DTYPES
 from build_engine.demo_checkpoint import PRESETS
 from build_engine.errors import BuildError
-from build_engine.pipeline import DEFAULT_PRESET, BuildRequest, build, dry_run, existing_build
+from build_engine.model_store import DEFAULT_KEEP_VERSIONS, ModelStoreError
+from build_engine.pipeline import (
+    DEFAULT_PRESET,
+    BuildRequest,
+    VersionResult,
+    build,
+    build_version,
+    dry_run,
+    existing_build,
+    existing_version,
+)
 
 EXIT_USAGE = 2
 
 
-def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool]:
-    """Parse the command line into a request, the --if-missing flag and the --dry-run flag."""
+def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool, argparse.Namespace]:
+    """Parse the command line into a request, the --if-missing flag, the --dry-run flag and the rest
+    (--name, --keep-versions)."""
     parser = argparse.ArgumentParser(
         prog="python -m build_engine",
         description="Turn a checkpoint into an engine and a rendered Triton model repository.",
@@ -73,7 +84,20 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool]:
     parser.add_argument(
         "--if-missing", action="store_true", help="do nothing if a matching engine is already built"
     )
+    parser.add_argument(
+        "--name",
+        help="build the next numbered version of the named model OUTPUT_DIR/models/NAME (engine model only; "
+        "it goes live only on the model's first build, later ones by a rollout)",
+    )
+    parser.add_argument(
+        "--keep-versions",
+        type=int,
+        help=f"with --name: versions of the model kept on disk; older ones are deleted, never the live one "
+        f"nor its rollback target (default: {DEFAULT_KEEP_VERSIONS})",
+    )
     args = parser.parse_args(argv)
+    if args.keep_versions is not None and args.name is None:
+        parser.error("--keep-versions needs --name")
     request = BuildRequest(
         output_dir=args.output_dir,
         backend=args.backend,
@@ -90,12 +114,14 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool]:
         kv_cache_dtype=args.kv_cache_dtype,
         trtllm_examples_dir=args.trtllm_examples_dir,
     )
-    return request, args.if_missing, args.dry_run
+    return request, args.if_missing, args.dry_run, args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (2 for anything the user must fix)."""
-    request, if_missing, dry = parse_args(argv)
+    request, if_missing, dry, args = parse_args(argv)
+    if args.name is not None:
+        return _main_named(request, if_missing, dry, args.name, args.keep_versions)
     try:
         if dry:
             sys.stdout.write(trtllm.format_commands(dry_run(request).commands))
@@ -115,6 +141,37 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model repository: {result.repository_dir}")
     print(f"served model:     {result.served_model_name}")
     return 0
+
+
+def _main_named(request: BuildRequest, if_missing: bool, dry: bool, name: str, keep_versions: int | None) -> int:
+    try:
+        if dry:
+            raise BuildError("--dry-run does not take --name: run the dry run without --name (and with another "
+                             "--output-dir) to see the commands and the config a version would be built with")
+        if if_missing:
+            version = existing_version(request, name)
+            if version is not None:
+                print(f"model {name!r} version {version} already built from {request.source}")
+                return 0
+        result = build_version(request, name, DEFAULT_KEEP_VERSIONS if keep_versions is None else keep_versions)
+    except (BuildError, ModelStoreError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    _print_version(result)
+    return 0
+
+
+def _print_version(result: VersionResult) -> None:
+    if result.version == result.live_version:
+        state = "(live when the server starts or restarts)"
+    else:
+        state = (f"(on disk; live: {result.live_version}) — roll it out with "
+                 f"`make rollout NAME={result.name} VERSION={result.version}`")
+    print(f"model:            {result.name}")
+    print(f"version:          {result.version} {state}")
+    print(f"version dir:      {result.version_dir}")
+    if result.pruned:
+        print(f"pruned versions:  {', '.join(str(v) for v in result.pruned)}")
 
 
 if __name__ == "__main__":

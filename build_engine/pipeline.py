@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
+import shutil
 import sys
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from build_engine import trtllm
+from build_engine import model_store, trtllm
 from build_engine.checkpoint import CheckpointInfo, validate_checkpoint
 from build_engine.cpu_engine_builder import (
     DTYPES,
@@ -19,6 +24,7 @@ from build_engine.cpu_engine_builder import (
 from build_engine.demo_checkpoint import ensure_demo_checkpoint
 from build_engine.errors import BuildError
 from build_engine.limits import EngineLimits, resolve_limits
+from build_engine.model_store import ManagedModel
 from build_engine.render import render_repository, stale_copies
 from build_engine.values import repository_values
 from build_engine.xgrammar_info import XgrammarInfoError, tokenizer_info, write_tokenizer_info
@@ -241,3 +247,164 @@ def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResu
     # Written last, so a failed render or build never leaves an engine that --if-missing would accept.
     write_engine_config(request.engine_dir, engine_config)
     return BuildResult(request.engine_dir.resolve(), request.repository_dir.resolve(), served_model_name)
+
+
+# ----- named models: numbered versions of one Triton model (layout and reasons: model_store.py) ---------
+MODELS_SUBDIR = "models"
+# Weight files a TensorRT-LLM version does not need: its engine holds the weights.
+TRTLLM_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+_BUILD_FLAGS = ("dtype", "max_batch_size", "max_seq_len", "max_num_tokens", "kv_cache_tokens", "tp_size",
+                "weight_only", "kv_cache_dtype", "max_input_len")
+
+
+@dataclass(frozen=True)
+class VersionResult:
+    """What a named build did: the version it added, the one serving, and what pruning removed."""
+
+    name: str
+    version: int
+    version_dir: Path
+    live_version: int
+    pruned: list[int]
+
+
+def _managed_model(request: BuildRequest, name: str) -> ManagedModel:
+    try:
+        model_store.check_name(name)
+    except model_store.ModelStoreError as exc:
+        raise BuildError(str(exc)) from None
+    return ManagedModel(Path(request.output_dir).resolve() / MODELS_SUBDIR / name)
+
+
+def existing_version(request: BuildRequest, name: str) -> int | None:
+    """The newest version of ``name`` built from the request's source and backend (for ``--if-missing``)."""
+    model = _managed_model(request, name)
+    if not model.directory.is_dir():
+        return None
+    matching = [v for v in model.versions()
+                if (record := model.record(v)).get("source") == request.source
+                and record.get("backend") == request.backend]
+    return max(matching, default=None)
+
+
+def _version_config(
+    template_dir: Path, request: BuildRequest, engine_config: dict[str, Any], model: ManagedModel, version: int
+) -> str:
+    """The model's shared config.pbtxt for this build, policy listing only ``version``.
+
+    Its paths go through the `live` link, never a version directory, so that every version of the model
+    renders the same text unless its limits or settings differ.
+    """
+    live = model.live_link
+    values = repository_values(template_dir, request.backend, engine_config, live / model_store.ENGINE_DIR)
+    info = engine_config.get("xgrammar_tokenizer_info")
+    values.update(
+        engine_dir=str(live / model_store.ENGINE_DIR),
+        tokenizer_dir=str(live / model_store.CHECKPOINT_DIR),
+        served_model_name=model.name,
+        xgrammar_tokenizer_info_path=str(live / model_store.ENGINE_DIR / Path(info).name) if info else "",
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        render_repository(template_dir, values, Path(tmp))  # wipes its target: never the model's directory
+        text = (Path(tmp) / "tensorrt_llm" / model_store.CONFIG_FILE).read_text()
+    text, renamed = re.subn(r'^name: "tensorrt_llm"$', f'name: "{model.name}"', text, count=1, flags=re.MULTILINE)
+    if not renamed:
+        raise BuildError(f'{template_dir}/tensorrt_llm/{model_store.CONFIG_FILE} has no line name: "tensorrt_llm"')
+    return text.rstrip("\n") + "\n" + model_store.version_policy_line([version]) + "\n"
+
+
+def _refuse_config_change(model: ManagedModel, new_text: str) -> None:
+    old = model_store.without_policy(model.config_path.read_text())
+    new = model_store.without_policy(new_text)
+    if old == new:
+        return
+    diff = list(difflib.unified_diff(old.splitlines(), new.splitlines(),
+                                     f"{model.config_path} (versions {model.versions()})", "this build",
+                                     n=1, lineterm=""))
+    shown = diff[:16] + ([f"... ({len(diff) - 16} more lines)"] if len(diff) > 16 else [])
+    raise BuildError(
+        f"model {model.name!r}: this build's config.pbtxt differs from the one its versions share:\n  "
+        + "\n  ".join(shown)
+        + "\nversions of one model share Triton's config; build with the same limits, or under another --name"
+    )
+
+
+def build_version(
+    request: BuildRequest, name: str, keep_versions: int = model_store.DEFAULT_KEEP_VERSIONS,
+    template_dir: Path = TEMPLATE_DIR,
+) -> VersionResult:
+    """Add version N of the named model ``name`` to ``<output_dir>/models`` (engine model only: the
+    frontend tokenizes), leaving what serves untouched unless this is the model's first version.
+
+    Everything is built in ``.staging-N`` and renamed into place last, so a failed build leaves no version
+    behind; a build whose config.pbtxt would differ from the shared one is refused before the long work.
+    """
+    model = _managed_model(request, name)
+    if keep_versions < 1:
+        raise BuildError(f"--keep-versions must be at least 1, got {keep_versions}")
+    source_checkpoint, _, limits = _checkpoint_and_limits(request)
+    numbered = [int(child.name) for child in model.directory.glob("*") if child.name.isdigit()]
+    version = 1 + max(numbered, default=0)
+    staging, final = model.directory / f".staging-{version}", model.version_dir(version)
+    # The record names where things will be once renamed, never the staging directory.
+    checkpoint = replace(source_checkpoint, directory=final / model_store.CHECKPOINT_DIR)
+    plan: trtllm.TrtllmPlan | None = None
+    if request.backend == "trtllm":
+        if request.kv_cache_tokens is not None:
+            raise BuildError("--kv-cache-tokens is for the CPU engine; TensorRT-LLM sizes its KV cache with "
+                             "kv_cache_free_gpu_mem_fraction (model_repository/values/trtllm.json)")
+        # Converted from the user's checkpoint: the version's own copy holds no weights.
+        plan = trtllm.plan_build(source_checkpoint, limits, _trtllm_options(request), work_dir=staging,
+                                 engine_dir=staging / model_store.ENGINE_DIR)
+        has_info = _xgrammar_info_path(request, source_checkpoint) is not None
+        engine_config = trtllm.trtllm_engine_config(
+            checkpoint, plan, limits, _trtllm_options(request), served_model_name=name, source=request.source,
+            version=trtllm.check_toolchain(plan), checkpoint_hash="",
+            xgrammar_tokenizer_info=model.engine_dir(version) / XGRAMMAR_INFO_FILE if has_info else None,
+        )
+    else:
+        dtype = request.dtype or "float32"
+        if dtype not in DTYPES:
+            raise BuildError(f"--dtype {dtype} is not supported by the CPU engine; use one of {', '.join(DTYPES)}")
+        engine_config = cpu_engine_config(checkpoint, served_model_name=name, dtype=dtype, limits=limits,
+                                          source=request.source, kv_cache_tokens=request.kv_cache_tokens)
+    config_text = _version_config(template_dir, request, engine_config, model, version)
+    first = not (model.directory / model_store.STATE_FILE).is_file()
+    if not first:
+        _refuse_config_change(model, config_text)
+
+    if staging.exists():
+        shutil.rmtree(staging)
+    try:
+        staging.mkdir(parents=True)
+        ignore = shutil.ignore_patterns(*TRTLLM_WEIGHT_FILES) if plan is not None else None
+        shutil.copytree(source_checkpoint.directory, staging / model_store.CHECKPOINT_DIR, ignore=ignore)
+        if plan is not None:
+            trtllm.run_build(plan)
+            built_by = trtllm.engine_version(plan.engine_dir)
+            if built_by is not None and built_by != engine_config["tensorrt_llm_version"]:
+                raise BuildError(f"trtllm-build wrote TensorRT-LLM version {built_by} into {plan.engine_dir}/"
+                                 f"config.json, but the installed package is {engine_config['tensorrt_llm_version']}")
+            if engine_config["xgrammar_tokenizer_info"]:  # after run_build, which clears the engine folder
+                write_tokenizer_info(source_checkpoint.directory, plan.engine_dir / XGRAMMAR_INFO_FILE)
+        else:
+            shutil.copy2(template_dir / "tensorrt_llm" / "1" / "model.py", staging / "model.py")
+        engine_config.update(
+            name=name,
+            model_version=version,
+            checkpoint_sha256=trtllm.checkpoint_sha256(staging / model_store.CHECKPOINT_DIR),
+            built_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            build_flags={f: getattr(request, f) for f in _BUILD_FLAGS if getattr(request, f) is not None},
+        )
+        write_engine_config(staging / model_store.ENGINE_DIR, engine_config)
+        staging.rename(final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if first:
+        # The state file last: it is what makes the model "managed" (model_store.managed_models).
+        model_store.write_atomically(model.config_path, config_text)
+        model.point_live_link(version)
+        model.commit(live=version, previous=None)
+    return VersionResult(name, version, final, model.live_version, model.prune(keep_versions))
+

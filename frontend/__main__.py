@@ -29,7 +29,7 @@ from frontend.settings import Settings
 log = logging.getLogger("frontend")
 
 MINIMUM_TLS = ssl.TLSVersion.TLSv1_2
-SECRET_FLAGS = ("--api-keys", "--api_keys")  # settings that must never be given on a command line
+SECRET_FLAGS = ("--api-keys", "--api_keys", "--admin-api-keys", "--admin_api_keys")  # settings that must never be given on a command line
 
 
 def refuse_secret_flags(argv: Sequence[str]) -> None:

@@ -13,7 +13,9 @@ from fastapi import FastAPI
 
 from frontend.errors import OpenAIError, install_error_handlers
 from frontend.middleware import Edge, EdgeMiddleware
-from frontend.model_context import ModelContextLoader
+from frontend import admin
+from frontend.model_context import ModelRegistry
+from frontend.rollout import Rollouts
 from frontend.routes import router
 from frontend.settings import Settings
 from frontend.triton_engine import TritonEngine
@@ -44,18 +46,19 @@ def create_app(settings: Settings) -> FastAPI:
                               settings.triton_timeout_s)
         app.state.settings = settings
         app.state.engine = engine
-        app.state.contexts = ModelContextLoader(settings, engine)
+        app.state.models = ModelRegistry(settings, engine)
+        app.state.rollouts = Rollouts(app.state.models, engine, settings.rollout_grace_s)
         warn_if_open(settings, edge)
         loop = asyncio.get_running_loop()
         hup = False
-        if settings.api_keys_file is not None:
+        if settings.api_keys_file is not None or settings.admin_api_keys_file is not None:
             try:  # only possible in the main thread (not under a test client's thread)
-                loop.add_signal_handler(signal.SIGHUP, edge.keys.reload)
+                loop.add_signal_handler(signal.SIGHUP, lambda: (edge.keys.reload(), edge.admin_keys.reload()))
                 hup = True
             except (RuntimeError, NotImplementedError, ValueError):
                 log.warning("cannot listen for SIGHUP here; API_KEYS_FILE will not be reloaded")
         try:
-            await app.state.contexts.get()
+            await app.state.models.all()
         except OpenAIError as exc:  # Triton not up yet: serve 503s and retry on each request
             log.warning("model not loaded yet (%s); will retry on the next request", exc.message)
         yield
@@ -71,5 +74,6 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.edge = edge
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(admin.router)
     app.add_middleware(EdgeMiddleware, edge=edge)
     return app

@@ -23,13 +23,15 @@ class Metrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by route, status code and finish reason "
                                 "(finish_reason: stop, length, error, timeout, shutdown, cancelled, none)",
-                                ["route", "status", "finish_reason"], registry=r)
+                                ["route", "status", "finish_reason", "model", "version"], registry=r)
         self.rejected = Counter(f"{PREFIX}_requests_rejected", "requests refused before generation, by reason "
                                 "(unauthorized, body_too_large, queue_full, queue_timeout, requests_per_minute, "
                                 "tokens_per_minute, shutting_down, body_timeout)", ["reason"], registry=r)
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of generation requests", ["route"],
-                                     registry=r)
-        self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "generated tokens", ["route"], registry=r)
+        # model: the served model id; version: the engine model version that served it ("" when not versioned)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of generation requests",
+                                     ["route", "model", "version"], registry=r)
+        self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "generated tokens", ["route", "model", "version"],
+                                         registry=r)
         self.duration = Histogram(f"{PREFIX}_request_duration_seconds", "end-to-end request time, arrival to "
                                   "the last byte", ["route"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram(f"{PREFIX}_request_queue_time_seconds", "time waiting for admission (an "

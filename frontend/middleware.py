@@ -21,12 +21,13 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend import access_log
+from frontend.admin import ADMIN_PREFIX
 from frontend.admission import AdmissionGate, RateLimiter, Rejected, TokenReservation
 from frontend.auth import ANONYMOUS, KeyStore, bearer_token
 from frontend.deadlines import Deadline, Deadlines
@@ -60,6 +61,8 @@ def route_label(path: str) -> str:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{model_id}"
+    if path.startswith(ADMIN_PREFIX + "/"):
+        return ADMIN_PREFIX
     return "unmatched"
 
 
@@ -85,6 +88,9 @@ class RequestContext:
     completion_text: list[str] | None = None
     admitted_slots: int = 0  # admission slots held (one per engine request), released by the middleware
     admitted_at: float = 0.0
+    model: str = ""  # the served model and engine version the request picked (labels for metrics and the log)
+    model_version: str = ""
+    on_finish: list[Callable[[], None]] = field(default_factory=list)  # run once, after the last byte
     edge: "Edge | None" = field(default=None, repr=False)
 
     def check_request_rate(self) -> None:
@@ -162,6 +168,7 @@ class Edge:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.keys = KeyStore(settings.api_keys, settings.api_keys_file)
+        self.admin_keys = KeyStore(settings.admin_api_keys, settings.admin_api_keys_file)
         self.limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm)
         self.gate = AdmissionGate(settings.max_in_flight, settings.max_queued)
         self.metrics = Metrics()
@@ -286,7 +293,10 @@ class EdgeMiddleware:
         if edge.draining and not is_metrics:
             raise self._reject(ctx, "shutting_down", service_unavailable(
                 "the server is shutting down; not accepting new requests"))
-        if edge.keys.enabled and (not is_metrics or settings.metrics_require_key):
+        # /admin checks admin keys itself (frontend/admin.py): an API key must not open it, nor an admin
+        # key the API.
+        is_admin = path.startswith(ADMIN_PREFIX + "/")
+        if edge.keys.enabled and not is_admin and (not is_metrics or settings.metrics_require_key):
             key_id = edge.keys.verify(bearer_token(headers.get("authorization")))
             if key_id is None:
                 missing = bearer_token(headers.get("authorization")) is None
@@ -334,6 +344,8 @@ class EdgeMiddleware:
 
     def _finish(self, ctx: RequestContext) -> None:
         edge = self.edge
+        for release in ctx.on_finish:
+            release()
         duration = time.monotonic() - ctx.started
         status = ctx.status or 500
         if ctx.reservation is not None:
@@ -352,17 +364,18 @@ class EdgeMiddleware:
                 finish = "error"
         finish = finish or "none"
         m = edge.metrics
-        m.requests.labels(ctx.route, str(status), finish).inc()
+        m.requests.labels(ctx.route, str(status), finish, ctx.model, ctx.model_version).inc()
         m.duration.labels(ctx.route).observe(duration)
         if ctx.route in GENERATION_PATHS:
             if ctx.prompt_tokens:
-                m.prompt_tokens.labels(ctx.route).inc(ctx.prompt_tokens)
+                m.prompt_tokens.labels(ctx.route, ctx.model, ctx.model_version).inc(ctx.prompt_tokens)
             if ctx.completion_tokens:
-                m.completion_tokens.labels(ctx.route).inc(ctx.completion_tokens)
+                m.completion_tokens.labels(ctx.route, ctx.model, ctx.model_version).inc(ctx.completion_tokens)
         if ctx.route in HEALTH_PATHS or ctx.route == "/metrics":
             return  # probes and scrapes: metrics only, no log line each
         fields: dict[str, Any] = {
             "request_id": ctx.request_id, "method": ctx.method, "route": ctx.route, "status": status,
+            "model": ctx.model or None, "model_version": ctx.model_version or None,
             "key_id": ctx.key_id, "duration_s": duration, "queue_s": ctx.queue_s, "ttft_s": ctx.ttft_s,
             "prompt_tokens": ctx.prompt_tokens, "completion_tokens": ctx.completion_tokens,
             "finish_reason": finish if ctx.route in GENERATION_PATHS else None,

@@ -9,13 +9,13 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 
 from frontend.engine import Guide
-from frontend.errors import OpenAIError, invalid_request, service_unavailable
+from frontend.errors import invalid_request, service_unavailable
 from frontend.middleware import RequestContext
 from frontend.model_context import ModelContext
 from frontend.renderers import ChatRenderer, CompletionRenderer
 from frontend.responses import GenerationResponse
 from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, ModelCard,
-                              ModelList, SamplingFields, TokenizeRequest, now)
+                              ModelList, ModelVersion, SamplingFields, TokenizeRequest, now)
 from frontend.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs
 from frontend.structured import answer_parsing, chat_guide, extension_guide
 
@@ -29,16 +29,31 @@ def request_context(request: Request) -> RequestContext:
 
 
 async def model_context(request: Request, model: str | None = None) -> ModelContext:
-    context = await request.app.state.contexts.get()
-    if model is not None and model != context.served_model_name:
-        raise OpenAIError(404, f"The model '{model}' does not exist; this server serves "
-                               f"'{context.served_model_name}'", "invalid_request_error", "model",
-                          "model_not_found")
+    """The context of the model the request names (404 if not served), leased until the request's last
+    byte: a rollout waits for the requests that picked the version it retires (frontend/rollout.py)."""
+    context = await request.app.state.models.get(model)
+    ctx = request_context(request)
+    ctx.model, ctx.model_version = context.served_model_name, context.version
+    if context.engine is not None:
+        context.engine.lease()
+        ctx.on_finish.append(context.engine.release)
     return context
 
 
-def model_card(context: ModelContext) -> ModelCard:
-    return ModelCard(id=context.served_model_name, created=now(), max_model_len=context.context_length)
+def model_card(request: Request, context: ModelContext) -> ModelCard:
+    card = ModelCard(id=context.served_model_name, created=now(), max_model_len=context.context_length)
+    if not request.app.state.models.named:
+        return card
+    model = request.app.state.models.find(context.served_model_name)
+    state = model.state()
+    versions = []
+    for version in model.versions():
+        record = model.record(version)
+        versions.append(ModelVersion(version=version, status="live" if str(version) == context.version else "on_disk",
+                                     source=record.get("source"), checkpoint_sha256=record.get("checkpoint_sha256"),
+                                     built_at=record.get("built_at")))
+    return card.model_copy(update={"live_version": int(context.version), "previous_version": state["previous"],
+                                   "versions": versions})
 
 
 # ----- health, models, tokenizer helpers -----------------------------------------------------------
@@ -49,20 +64,20 @@ async def live() -> dict[str, str]:
 
 @router.get("/health/ready")
 async def ready(request: Request) -> dict[str, str]:
-    if not await request.app.state.engine.is_ready():
-        raise service_unavailable("Triton or the engine model is not ready")
-    await model_context(request)
+    if not await request.app.state.models.is_ready():
+        raise service_unavailable("Triton or an engine model is not ready")
+    await request.app.state.models.all()
     return {"status": "ok"}
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model_exclude_none=True)
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[model_card(await model_context(request))])
+    return ModelList(data=[model_card(request, context) for context in await request.app.state.models.all()])
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", response_model_exclude_none=True)
 async def get_model(model_id: str, request: Request) -> ModelCard:
-    return model_card(await model_context(request, model_id))
+    return model_card(request, await request.app.state.models.get(model_id))
 
 
 async def off_loop(request: Request, work: Callable[..., T], *args: Any) -> T:
@@ -142,7 +157,7 @@ async def new_generation(request: Request, req: SamplingFields, context: ModelCo
     limits(request).check_prompts(prompts, prompt_param)
     jobs = choice_jobs(req, prompts, context.context_length, context.tokenizer, top_logprobs, prompt_param, guide)
     ctx = request_context(request)
-    generation = Generation(request.app.state.engine, context.tokenizer, jobs, req.stop_strings,
+    generation = Generation(context.engine, context.tokenizer, jobs, req.stop_strings,
                             sum(len(p) for p in prompts), ctx, parsing)
     ctx.reserve_tokens(generation.usage.prompt_tokens + sum(job.request.options.max_tokens for job in jobs))
     ctx.prompt_tokens, ctx.usage = generation.usage.prompt_tokens, generation.usage

@@ -531,12 +531,27 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class ModelVersion(BaseModel):
+    """One build of a named model (its engine record), and whether it serves."""
+
+    version: int
+    status: Literal["live", "on_disk"]
+    source: dict[str, str] | None = None
+    checkpoint_sha256: str | None = None
+    built_at: str | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tritonllm"
     max_model_len: int
+    # Named models only (MODEL_REPOSITORY): the version serving, the one a rollback restores, and every
+    # version on disk.
+    live_version: int | None = None
+    previous_version: int | None = None
+    versions: list[ModelVersion] | None = None
 
 
 class TokenizeRequest(ClientRequest):

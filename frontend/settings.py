@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     triton_grpc_url: str = Field("127.0.0.1:8001", description="Triton gRPC endpoint host:port")
     engine_model: str = Field("tensorrt_llm", description="Triton model that runs the engine")
     preprocessing_model: str = Field("preprocessing", description="Triton model whose config names the tokenizer")
+    model_repository: Path | None = Field(
+        None, description="a repository of named models (`make engine NAME=...`): serve each of them at its live "
+                          "version, instead of the one engine_model")
     served_model_name: str | None = Field(None, description="model id clients use; default: from Triton")
     tokenizer_dir: Path | None = Field(None, description="Hugging Face tokenizer dir; default: from Triton")
     context_length: int | None = Field(None, description="max prompt + completion tokens; default: from Triton")
@@ -63,6 +66,13 @@ class Settings(BaseSettings):
                           "load (never kept in plaintext); none and no file: the server is open")
     api_keys_file: Path | None = Field(None, description="file of API keys, one per line (# comments); "
                                                          "re-read on SIGHUP")
+    # Administration (rollout, rollback): its own keys, never the API's. Env only, like api_keys.
+    admin_api_keys: CliSuppress[HashedKeys | None] = Field(
+        None, description="ADMIN_API_KEYS: comma-separated keys for /admin (model rollout and rollback), "
+                          "separate from API_KEYS; none and no file: /admin refuses every request")
+    admin_api_keys_file: Path | None = Field(None, description="file of admin keys, one per line; re-read on SIGHUP")
+    rollout_grace_s: float = Field(60.0, ge=0, description="on rollout, how long requests on the old version may "
+                                                           "take to finish before it is unloaded")
     metrics_require_key: bool = Field(False, description="GET /metrics needs an API key too (when keys are set)")
     # Admission control
     max_in_flight: int = Field(64, ge=1, description="generation requests running at once; more wait in a queue")
@@ -95,7 +105,7 @@ class Settings(BaseSettings):
     ssl_ciphers: str = Field(MOZILLA_INTERMEDIATE_CIPHERS, description="OpenSSL cipher string for TLS 1.2 "
                              "(TLS 1.3 suites are OpenSSL's defaults); TLS 1.0 and 1.1 are never served")
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
     def _hash_api_keys(cls, value: Any) -> HashedKeys | None:
         """Hash the keys as they are parsed, so that the plaintext is never stored on the settings object."""

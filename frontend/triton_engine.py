@@ -225,12 +225,20 @@ class TritonEngine:
     async def close(self) -> None:
         await self._client.close()
 
-    async def is_ready(self) -> bool:
+    async def is_ready(self, model: str | None = None, version: str = "") -> bool:
+        """Triton and one engine model (version "": the one Triton picks by its version policy) ready."""
         try:
             return bool(await self._client.is_server_ready(client_timeout=self._timeout)
-                        and await self._client.is_model_ready(self.engine_model, client_timeout=self._timeout))
+                        and await self._client.is_model_ready(model or self.engine_model, version,
+                                                              client_timeout=self._timeout))
         except Exception:
             return False
+
+    async def load_model(self, model: str) -> None:
+        """Ask Triton (explicit model control) to load `model` as its config on disk now says: versions the
+        version_policy added are loaded, versions it dropped unloaded, the others left serving. Raises
+        InferenceServerException with Triton's reason when a version fails to load."""
+        await self._client.load_model(model)
 
     async def _parameters(self, model: str) -> dict[str, str]:
         try:
@@ -242,8 +250,8 @@ class TritonEngine:
         params = config.get("config", {}).get("parameters", {})
         return {key: value.get("string_value", "") for key, value in params.items()}
 
-    async def metadata(self) -> EngineMetadata:
-        engine = await self._parameters(self.engine_model)
+    async def metadata(self, model: str | None = None) -> EngineMetadata:
+        engine = await self._parameters(model or self.engine_model)
         try:  # a repository may hold the engine model alone (the frontend is then given TOKENIZER_DIR)
             tokenizer_dir = (await self._parameters(self.preprocessing_model)).get("tokenizer_dir")
         except OpenAIError:
@@ -255,10 +263,14 @@ class TritonEngine:
                               context_length=int(max_seq_len) if max_seq_len.isdigit() else None,
                               max_top_logprobs=int(max_top_logprobs) if max_top_logprobs.isdigit() else 0)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
+    async def generate(self, request: EngineRequest, model: str | None = None,
+                       version: str = "") -> AsyncIterator[TokenChunk]:
+        """`model` and `version` pick a named model's version (frontend/models.py); by default the engine
+        model at the version Triton picks."""
         options = request.options
         triton_request = {
-            "model_name": self.engine_model,
+            "model_name": model or self.engine_model,
+            "model_version": version,
             "inputs": build_inputs(request.prompt_ids, options),
             "outputs": [grpcclient.InferRequestedOutput(name) for name in requested_outputs(options)],
             "request_id": request.request_id,
@@ -278,7 +290,7 @@ class TritonEngine:
         try:
             async for result, error in call:
                 if error is not None:
-                    raise _about_the_guide(error_for(error, self.engine_model), options)
+                    raise _about_the_guide(error_for(error, model or self.engine_model), options)
                 token_ids = _new_tokens(result)
                 if not token_ids:
                     continue

@@ -19,17 +19,20 @@ import argparse
 import json
 import os
 import signal
+import secrets
 import ssl
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from launcher.engine_check import check_model_repository
+from build_engine import model_store
+from launcher.engine_check import check_model_repository, check_named_models
 from launcher.ports import PortInUseError, check_ports_free
 from launcher.supervise import RestartBudgetExceeded, Supervisor
 from launcher.tritonserver import TritonNotFoundError, TritonServer, TritonStartError, terminate_group
@@ -39,6 +42,8 @@ FRONTEND_STOP_GRACE_S = 10.0  # after the frontend's own drain (SHUTDOWN_GRACE_S
 LEFTOVER_STOP_GRACE_S = 5.0  # what a crashed process left behind gets this long to go before SIGKILL
 DEFAULT_MAX_RESTARTS_PER_MINUTE = 5
 POLL_S = 0.5
+ADMIN_KEY_FILE = "admin_api_key"
+ADMIN_TIMEOUT_S = 1800.0  # a rollout loads a version and waits for the old one to drain (ROLLOUT_GRACE_S)
 
 _frontend_pid: int | None = None  # where SIGHUP goes
 
@@ -71,6 +76,12 @@ class Config:
     ssl_keyfile: str = ""
     shutdown_grace_s: float = 30.0
     max_restarts_per_minute: int = DEFAULT_MAX_RESTARTS_PER_MINUTE
+    named_models: tuple[str, ...] = ()  # a repository of named models (make engine NAME=...): their names
+
+    @property
+    def admin_key_file(self) -> Path:
+        """The admin key `make serve` makes when none is configured; `make rollout` reads it."""
+        return self.work_dir / ADMIN_KEY_FILE
 
     @property
     def triton_log(self) -> Path:
@@ -107,6 +118,7 @@ def _env_float(name: str, default: float) -> float:
 
 
 def load_config(args: argparse.Namespace) -> Config:
+    named = tuple(m.name for m in model_store.managed_models(Path(args.model_repository)))
     return Config(
         frontend_host=os.environ.get("FRONTEND_HOST") or "127.0.0.1",
         frontend_port=_env_int("FRONTEND_PORT", 9000),
@@ -116,12 +128,14 @@ def load_config(args: argparse.Namespace) -> Config:
         model_repository=Path(args.model_repository),
         work_dir=Path(args.work_dir),
         # The frontend reads ENGINE_MODEL too, so one variable renames the model for both.
-        engine_model=os.environ.get("ENGINE_MODEL") or "tensorrt_llm",
+        # Named models: Triton is ready once one is (the frontend's readiness then waits for all of them).
+        engine_model=named[0] if named else (os.environ.get("ENGINE_MODEL") or "tensorrt_llm"),
         triton_ready_timeout_s=_env_float("TRITON_READY_TIMEOUT", 600.0),
         ssl_certfile=os.environ.get("SSL_CERTFILE", ""),
         ssl_keyfile=os.environ.get("SSL_KEYFILE", ""),
         shutdown_grace_s=_env_float("SHUTDOWN_GRACE_S", 30.0),
         max_restarts_per_minute=_max_restarts_per_minute(),
+        named_models=named,
     )
 
 
@@ -156,6 +170,13 @@ def preflight(cfg: Config) -> None:
     if not cfg.model_repository.is_dir():
         raise LaunchError(f"no model repository at {cfg.model_repository}; run `make engine` first")
     check_model_repository(cfg.model_repository)  # a TensorRT-LLM engine must match the installed version
+    for warning in check_named_models(cfg.model_repository):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    for model in model_store.managed_models(cfg.model_repository):
+        repaired = model.settle()  # a rollout interrupted by a stop: back to the version recorded as live
+        if repaired:
+            print(f"model {model.name}: an interrupted rollout was undone ({repaired}); version "
+                  f"{model.live_version} is live", flush=True)
 
 
 # ----- frontend -----------------------------------------------------------------------------------------
@@ -169,6 +190,10 @@ def start_frontend(cfg: Config) -> subprocess.Popen[bytes]:
         "TRITON_HTTP_URL": f"127.0.0.1:{cfg.http_port}",
         "ENGINE_MODEL": cfg.engine_model,
     }
+    if cfg.named_models:
+        env["MODEL_REPOSITORY"] = str(cfg.model_repository.resolve())
+        if not (os.environ.get("ADMIN_API_KEYS") or os.environ.get("ADMIN_API_KEYS_FILE")):
+            env["ADMIN_API_KEYS_FILE"] = str(ensure_admin_key(cfg.admin_key_file))
     return subprocess.Popen([sys.executable, "-m", "frontend"], env=env, stdin=subprocess.DEVNULL,
                             start_new_session=True)
 
@@ -225,14 +250,79 @@ def wait_frontend_ready(cfg: Config, frontend: subprocess.Popen[bytes], triton: 
 
 
 def served_model_id(cfg: Config) -> str:
-    """The id clients must send, as the frontend reports it (falls back to '?' rather than failing)."""
+    """The ids clients may send, as the frontend reports them (falls back to '?' rather than failing)."""
     answer = _http_get(f"{cfg.frontend_base}/v1/models", timeout_s=5, api_key=probe_api_key())
     if answer is None or answer[0] != 200:
         return "?"
     try:
-        return str(json.loads(answer[1])["data"][0]["id"])
+        return ", ".join(str(card["id"]) for card in json.loads(answer[1])["data"]) or "?"
     except (ValueError, KeyError, IndexError, TypeError):
         return "?"
+
+
+# ----- administration: the admin key, rollout and rollback ----------------------------------------------
+def ensure_admin_key(path: Path) -> Path:
+    """A random admin key in a file only this user can read, made once: with it `make rollout` can talk to
+    `make serve`, and nobody else can, without anyone having to choose a key."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def admin_key(cfg: Config) -> str | None:
+    """ADMIN_API_KEYS' first key, else ADMIN_API_KEYS_FILE's, else the key `make serve` made."""
+    keys = [k.strip() for k in os.environ.get("ADMIN_API_KEYS", "").split(",") if k.strip()]
+    if keys:
+        return keys[0]
+    for path in (os.environ.get("ADMIN_API_KEYS_FILE"), cfg.admin_key_file):
+        if path:
+            try:
+                lines = Path(path).read_text(encoding="utf-8").splitlines()
+            except OSError:
+                continue
+            keys = [k.strip() for k in lines if k.strip() and not k.strip().startswith("#")]
+            if keys:
+                return keys[0]
+    return None
+
+
+def administer(cfg: Config, name: str, action: str, version: int | None) -> int:
+    """`make rollout` / `make rollback`: ask the running frontend, print the version now live."""
+    url = f"{cfg.frontend_base}/admin/models/{urllib.parse.quote(name, safe='')}/{action}"
+    body = json.dumps({"version": version} if version is not None else {}).encode()
+    headers = {"Content-Type": "application/json"}
+    key = admin_key(cfg)
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    context = _loopback_tls() if url.startswith("https://") else None
+    try:
+        with urllib.request.urlopen(request, timeout=ADMIN_TIMEOUT_S, context=context) as response:
+            result = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        print(f"error: {action} of {name} refused ({exc.code}): {message}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"error: no server answers at {cfg.frontend_base} ({exc}); is `make serve` running with the same "
+              "FRONTEND_PORT?", file=sys.stderr)
+        return 1
+    if not result["changed"]:
+        print(f"{name}: version {result['live_version']} is live (it already was)")
+        return 0
+    drained = ("requests on it finished" if result["drained"] else
+               "requests still on it after ROLLOUT_GRACE_S were ended")
+    print(f"{name}: version {result['live_version']} is live; version {result['previous_version']} unloaded "
+          f"({drained}; {result['seconds']:.1f} s)")
+    return 0
 
 
 # ----- supervision --------------------------------------------------------------------------------------
@@ -406,9 +496,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve_p = sub.add_parser("serve", help="run Triton and the OpenAI frontend until Ctrl+C")
     serve_p.add_argument("--model-repository", default="build/model_repository",
-                         help="rendered Triton model repository (default: %(default)s)")
+                         help="rendered Triton model repository, or a repository of named models "
+                              "(build/models) (default: %(default)s)")
     serve_p.add_argument("--work-dir", default="build",
                          help="where logs and the assembled backend dir go (default: %(default)s)")
+    for action, text in (("rollout", "make a version of a named model live in the running server"),
+                         ("rollback", "make the version that was live before live again")):
+        admin_p = sub.add_parser(action, help=text)
+        admin_p.add_argument("--name", required=True, help="the model's name (make engine NAME=...)")
+        if action == "rollout":
+            admin_p.add_argument("--version", type=int, help="the version (default: the newest on disk)")
+        admin_p.add_argument("--work-dir", default="build", help="where `make serve` keeps its admin key")
+        admin_p.set_defaults(model_repository="build/models")
     return parser
 
 
@@ -418,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _raise_shutdown)
     signal.signal(signal.SIGHUP, _forward_hup)
     try:
+        if args.command in ("rollout", "rollback"):
+            return administer(load_config(args), args.name, args.command, getattr(args, "version", None))
         return serve(load_config(args))
     except (LaunchError, TritonStartError, TritonNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from build_engine import model_store
 from launcher.tritonserver import TritonStartError
 
 ENGINE_CONFIG_FILE = "engine_config.json"
@@ -113,3 +114,26 @@ def check_model_repository(model_repository: Path, installed_version: str | None
     if model_path is None:
         raise EngineMismatchError(f"{config_path} sets no gpt_model_path: re-render it with `make engine`")
     return check_trtllm_engine(Path(model_path.group(1)), installed_version)
+
+
+def check_named_models(repository: Path, installed_version: str | None = None) -> list[str]:
+    """The version check per version for a repository of named models (build_engine/model_store.py).
+
+    A TensorRT-LLM model's live version must load here (EngineMismatchError otherwise); its other versions
+    on disk only get a warning each (returned), since a rollout to one of them would fail to load.
+    """
+    warnings = []
+    for model in model_store.managed_models(repository):
+        backend = _BACKEND.search(model.config_path.read_text())
+        if backend is None or backend.group(1) != "tensorrtllm":
+            continue
+        live = model.live_version
+        check_trtllm_engine(model.engine_dir(live), installed_version)
+        for version in model.versions():
+            if version == live:
+                continue
+            try:
+                check_trtllm_engine(model.engine_dir(version), installed_version)
+            except EngineMismatchError as exc:
+                warnings.append(f"model {model.name} version {version} cannot be rolled out here: {exc}")
+    return warnings

@@ -271,10 +271,10 @@ def test_metrics_and_one_json_access_log_line_per_request_without_text(stack: St
                    "tritonllm_prompt_tokens_total", "tritonllm_completion_tokens_total",
                    "tritonllm_requests_in_flight", "tritonllm_requests_queued"):
         assert family in metrics, family
-    assert re.search(r'tritonllm_requests_total\{finish_reason="length",route="/v1/chat/completions",status="200"\}',
-                     metrics)
-    assert re.search(r'tritonllm_requests_total\{finish_reason="none",route="/v1/chat/completions",status="401"\}',
-                     metrics)
+    assert re.search(r'tritonllm_requests_total\{finish_reason="length",model="demo-tiny",'
+                     r'route="/v1/chat/completions",status="200",version=""\}', metrics)
+    assert re.search(r'tritonllm_requests_total\{finish_reason="none",model="",route="/v1/chat/completions",'
+                     r'status="401",version=""\}', metrics)
     deadline = time.monotonic() + 5
     while not [r for r in frontend.access_records() if r["request_id"] == "rid-obs-1"]:
         assert time.monotonic() < deadline

@@ -252,8 +252,9 @@ class EngineMetrics:
                              "where they were)",
     }
 
-    def __init__(self, model_name: str):
-        labels = {"model": model_name}
+    def __init__(self, model_name: str, model_version: str):
+        # Two versions of a model run side by side during a rollout, each in its own stub process.
+        labels = {"model": model_name, "version": model_version}
         # Triton requires each MetricFamily to outlive its Metrics, so the families are kept here.
         self._families = {
             field: pb_utils.MetricFamily(name=f"cpu_engine_{field}", description=text, kind=kind)
@@ -280,7 +281,12 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException(
                 "the CPU engine model must be decoupled (model_transaction_policy { decoupled: true })")
-        engine_dir = Path(_param(config, "gpt_model_path", ""))
+        engine_dir, tokenizer_dir = Path(_param(config, "gpt_model_path", "")), _param(config, "tokenizer_dir", "")
+        # A named model's version directory holds its own engine record and checkpoint (build_engine/
+        # model_store.py): read those, not the paths of the shared config, which name the `live` link.
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        if (version_dir / "engine" / "engine_config.json").is_file():
+            engine_dir, tokenizer_dir = version_dir / "engine", str(version_dir / "checkpoint")
         self.exclude_input_default = _param(config, "exclude_input_in_output", "false").lower() == "true"
         self.max_top_logprobs = int(_param(config, "max_top_logprobs", "20") or 0)
         engine_config = EngineConfig.from_engine_dir(
@@ -294,7 +300,7 @@ class TritonPythonModel:
         if guided_backend not in ("", "xgrammar"):
             raise pb_utils.TritonModelException(
                 f"guided_decoding_backend must be \"\" (off) or \"xgrammar\", got {guided_backend!r}")
-        self.metrics = EngineMetrics(self.model_name)
+        self.metrics = EngineMetrics(self.model_name, args["model_version"])
         self.channel = self._make_channel()
         self.engine = Engine.from_config(
             engine_config, cancelled=self.channel.cancelled, on_stats=self.metrics.publish,
@@ -306,7 +312,7 @@ class TritonPythonModel:
         if guided_backend == "xgrammar":
             from cpu_engine.guided import GuideCompiler  # imports xgrammar: only when guided decoding is on
 
-            tokenizer_dir = _param(config, "tokenizer_dir", "") or str(engine_config.checkpoint_dir)
+            tokenizer_dir = tokenizer_dir or str(engine_config.checkpoint_dir)
             try:
                 self.guide_compiler = GuideCompiler.from_tokenizer_dir(
                     tokenizer_dir, vocab_size=self.engine.scheduler.runner.vocab_size)

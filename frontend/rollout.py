@@ -1,0 +1,121 @@
+"""Rollout and rollback of a named model's versions, without dropping a request.
+
+A rollout to version N of a model whose live version is L (build_engine/model_store.py for the layout):
+  1. the version policy becomes [L, N] and the `live` link points at N; Triton loads N beside L (a failure
+     here restores the policy and the link, and L serves on as if nothing happened);
+  2. the frontend loads N's tokenizer and template, then sends the model's new requests to N;
+  3. requests that picked L finish on it, for at most `rollout_grace_s`;
+  4. the state file records N as live and L as the rollback target, and the policy becomes [N]: Triton
+     unloads L (requests still on it past the grace period end with an error).
+A rollback is a rollout to the recorded previous version. One rollout per model at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from tritonclient.utils import InferenceServerException
+
+from build_engine import model_store
+from frontend.errors import OpenAIError, invalid_request
+from frontend.model_context import ModelContext, ModelRegistry
+from frontend.triton_engine import TritonEngine, client_message
+
+log = logging.getLogger("frontend.rollout")
+
+
+def _conflict(message: str, code: str) -> OpenAIError:
+    return OpenAIError(409, message, "invalid_request_error", None, code)
+
+
+class Rollouts:
+    def __init__(self, registry: ModelRegistry, triton: TritonEngine, grace_s: float):
+        self._registry = registry
+        self._triton = triton
+        self._grace_s = grace_s
+        self._busy: set[str] = set()
+
+    def _model(self, name: str) -> model_store.ManagedModel:
+        if not self._registry.named:
+            raise invalid_request("this server serves one engine model, not a repository of named models "
+                                  "(MODEL_REPOSITORY); it has no versions to roll out")
+        return self._registry.find(name)
+
+    async def rollback(self, name: str) -> dict[str, Any]:
+        previous = self._model(name).previous_version
+        if previous is None:
+            raise _conflict(f"model '{name}' has no previous version to roll back to", "no_previous_version")
+        return await self.rollout(name, previous)
+
+    async def rollout(self, name: str, version: int | None = None) -> dict[str, Any]:
+        model = self._model(name)
+        if name in self._busy:
+            raise _conflict(f"a rollout of model '{name}' is in progress; try again when it is done",
+                            "rollout_in_progress")
+        self._busy.add(name)
+        try:
+            return await self._rollout(model, version)
+        finally:
+            self._busy.discard(name)
+
+    async def _rollout(self, model: model_store.ManagedModel, version: int | None) -> dict[str, Any]:
+        started = time.monotonic()
+        name, live, on_disk = model.name, model.live_version, model.versions()
+        target = max(on_disk) if version is None else version
+        if target not in on_disk:
+            raise OpenAIError(404, f"model '{name}' has no version {target} on disk (versions: "
+                                   f"{', '.join(map(str, on_disk))})", "invalid_request_error", "version",
+                              "version_not_found")
+        if target == live:
+            return self._result(model, live, None, drained=True, started=started, changed=False)
+        context = await self._load_beside(model, live, target)
+        old = self._registry.switch(context)
+        log.info("model %s: new requests go to version %d; waiting up to %.0f s for version %d to drain",
+                 name, target, self._grace_s, live)
+        drained = True
+        if old is not None and old.engine is not None:
+            drained = await old.engine.drained(self._grace_s)
+            if not drained:
+                log.warning("model %s: %d request(s) still on version %d after %.0f s; unloading it anyway",
+                            name, old.engine.leases, live, self._grace_s)
+        model.commit(live=target, previous=live)
+        model.set_loaded([target])
+        try:
+            await self._triton.load_model(name)  # unloads the old version
+        except InferenceServerException as exc:  # version `target` serves; the old one may linger loaded
+            log.error("model %s: unloading version %d failed: %s", name, live, client_message(exc.message()))
+        return self._result(model, target, live, drained=drained, started=started, changed=True)
+
+    async def _load_beside(self, model: model_store.ManagedModel, live: int, target: int) -> ModelContext:
+        """Load `target` next to `live` and its context; on any failure, put everything back as it was."""
+        name = model.name
+        model.set_loaded([live, target])
+        model.point_live_link(target)
+        try:
+            await self._triton.load_model(name)
+            if not await self._triton.is_ready(name, str(target)):
+                raise RuntimeError(f"Triton does not report version {target} ready after loading it")
+            return await self._registry.load_version(name, target)
+        except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, RuntimeError,
+                KeyError, ValueError) as exc:
+            reason = client_message(exc.message() if isinstance(exc, InferenceServerException) else str(exc))
+            model.set_loaded([live])
+            model.point_live_link(live)
+            try:
+                await self._triton.load_model(name)  # unloads `target` if it did load
+            except InferenceServerException:
+                pass
+            log.error("model %s: version %d failed to load; version %d still serves: %s", name, target, live,
+                      reason)
+            raise OpenAIError(422, f"version {target} of model '{name}' failed to load; version {live} still "
+                                   f"serves. Reason: {reason}", "invalid_request_error", "version",
+                              "version_load_failed") from exc
+
+    @staticmethod
+    def _result(model: model_store.ManagedModel, live: int, previous: int | None, *, drained: bool,
+                started: float, changed: bool) -> dict[str, Any]:
+        return {"model": model.name, "live_version": live, "previous_version": previous, "changed": changed,
+                "drained": drained, "seconds": round(time.monotonic() - started, 3)}
+

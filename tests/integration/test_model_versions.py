@@ -1,0 +1,236 @@
+"""Several named models, and a rollout and rollback under live load, through the real launcher.
+
+`make engine NAME=...` builds, `python -m launcher serve` (what `make serve` runs) serves, and
+`make rollout` / `make rollback` switch versions while six streams loop on the model and one on another.
+The checkpoints are scripted (tests/integration/scripted_model.py): greedy decoding of the chat prompt
+walks a fixed chain, so every answer is known exactly and names the checkpoint (and tokenizer) it came
+from, whatever else runs in the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from benchmarks.servers import stop_process, wait_http_ok
+from launcher.ports import find_free_port
+from tests.integration.conftest import REPO_ROOT, Stack
+from tests.integration.scripted_model import CHAT_MESSAGES, _chain, write_scripted_checkpoint
+
+pytestmark = pytest.mark.integration
+
+ASSISTANT, CODER = "assistant", "coder"
+V1_TEXT, V2_TEXT = "Version one.", "Second build!"
+CODER_TEXT = " 你好🚀👍"  # as the SentencePiece tokenizer spells it (its `▁` is a space): only the coder's own
+# tokenizer turns the coder's tokens into this text
+STREAMS = 6
+BUILD_FLAGS = ["--max-batch-size", "8", "--max-seq-len", "256"]
+
+
+@dataclass(frozen=True)
+class Served:
+    build: Path  # the build folder (BUILD=...): models/, the admin key, logs
+    root: str  # http://127.0.0.1:<frontend port>
+    env: dict[str, str]  # the ports, as `make rollout` must see them
+    triton_http: str
+    log: Path
+
+
+def build(build_dir: Path, name: str, checkpoint: Path) -> subprocess.CompletedProcess[str]:
+    """`make engine MODEL=<checkpoint> NAME=<name>`, as the Makefile runs it."""
+    return subprocess.run([sys.executable, "-m", "build_engine", "--model", str(checkpoint), "--name", name,
+                           "--output-dir", str(build_dir), *BUILD_FLAGS], cwd=REPO_ROOT, capture_output=True,
+                          text=True, check=True)
+
+
+def scripted_checkpoint(demo_dir: Path, tokenizer_dir: Path, text: str, target: Path) -> Path:
+    """A checkpoint of the demo shape whose greedy answer to CHAT_MESSAGES is `text` under `tokenizer_dir`."""
+    chain = _chain(tokenizer_dir, text.lstrip())
+    assert chain.text == text, (chain.text, text)
+    write_scripted_checkpoint(demo_dir, target, [chain])
+    if tokenizer_dir != demo_dir:
+        for item in tokenizer_dir.iterdir():
+            shutil.copy2(item, target / item.name)
+    return target
+
+
+@pytest.fixture(scope="module")
+def served(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    demo_dir, sentencepiece_dir = stack.scripted.demo.tokenizer_dir, stack.scripted.sentencepiece_dir
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
+    out = tmp_path_factory.mktemp("named_build")
+    build(out, ASSISTANT, scripted_checkpoint(demo_dir, demo_dir, V1_TEXT, checkpoints / "assistant-v1"))
+    build(out, CODER, scripted_checkpoint(demo_dir, sentencepiece_dir, CODER_TEXT, checkpoints / "coder"))
+    ports = {name: str(find_free_port()) for name in
+             ("FRONTEND_PORT", "TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT")}
+    env = {**os.environ, **ports}
+    env.pop("ADMIN_API_KEYS", None)
+    env.pop("ADMIN_API_KEYS_FILE", None)
+    log = out / "launcher.log"
+    process = subprocess.Popen([sys.executable, "-m", "launcher", "serve", "--model-repository", str(out / "models"),
+                                "--work-dir", str(out)], cwd=REPO_ROOT, env=env, stdout=log.open("w"),
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    root = f"http://127.0.0.1:{ports['FRONTEND_PORT']}"
+    try:
+        wait_http_ok(f"{root}/health/ready", 300, process)
+        yield Served(out, root, env, f"http://127.0.0.1:{ports['TRITON_HTTP_PORT']}", log)
+    finally:
+        stop_process(process)
+
+
+def chat(served: Served, model: str) -> str:
+    client = openai.OpenAI(base_url=f"{served.root}/v1", api_key="unused", max_retries=0, timeout=120)
+    answer = client.chat.completions.create(model=model, messages=CHAT_MESSAGES, temperature=0, max_tokens=32)
+    return answer.choices[0].message.content or ""
+
+
+def make(served: Served, *args: str) -> subprocess.CompletedProcess[str]:
+    """`make rollout|rollback ...` against the running server (the venv is already installed)."""
+    return subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", *args, f"BUILD={served.build}",
+                           f"PY={sys.executable}"], cwd=REPO_ROOT, env=served.env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def model_card(served: Served, model: str) -> dict:
+    response = httpx.get(f"{served.root}/v1/models/{model}", timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_two_models_each_with_its_own_tokenizer(served: Served) -> None:
+    cards = httpx.get(f"{served.root}/v1/models", timeout=30).json()["data"]
+    assert sorted(card["id"] for card in cards) == [ASSISTANT, CODER]
+    assert all(card["live_version"] == 1 and card["versions"][0]["status"] == "live" for card in cards)
+    assert chat(served, ASSISTANT) == V1_TEXT
+    assert chat(served, CODER) == CODER_TEXT  # the same prompt, rendered and decoded by the coder's tokenizer
+    tokens = {model: httpx.post(f"{served.root}/tokenize", json={"model": model, "prompt": CODER_TEXT},
+                                timeout=30).json()["tokens"] for model in (ASSISTANT, CODER)}
+    assert tokens[ASSISTANT] != tokens[CODER]
+    missing = httpx.post(f"{served.root}/v1/chat/completions", timeout=30,
+                         json={"model": "nope", "messages": CHAT_MESSAGES, "max_tokens": 2})
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert error["code"] == "model_not_found" and f"'{ASSISTANT}'" in error["message"] and f"'{CODER}'" in error["message"]
+
+
+def test_admin_routes_need_the_admin_key(served: Served) -> None:
+    url = f"{served.root}/admin/models/{ASSISTANT}/rollout"
+    assert httpx.post(url, json={"version": 1}, timeout=30).status_code == 401
+    wrong = httpx.post(url, json={"version": 1}, headers={"Authorization": "Bearer not-the-key"}, timeout=30)
+    assert wrong.status_code == 401 and wrong.json()["error"]["message"] == "Incorrect admin key provided."
+    key_file = served.build / "admin_api_key"
+    assert key_file.stat().st_mode & 0o077 == 0  # only its owner may read it
+
+
+async def loop_streams(served: Served, model: str, stop: asyncio.Event, answers: list[str], failures: list[str]) -> None:
+    """Stream the chat request again and again until `stop`; every answer, or what went wrong."""
+    body = {"model": model, "messages": CHAT_MESSAGES, "temperature": 0, "max_tokens": 32, "stream": True}
+    async with httpx.AsyncClient(timeout=120) as client:
+        while not stop.is_set():
+            try:
+                async with client.stream("POST", f"{served.root}/v1/chat/completions", json=body) as response:
+                    if response.status_code != 200:
+                        failures.append(f"{response.status_code} {(await response.aread())[:200]!r}")
+                        continue
+                    text, done = [], False
+                    async for line in response.aiter_lines():
+                        if line == "data: [DONE]":
+                            done = True
+                        elif line.startswith("data: "):
+                            chunk = json.loads(line[len("data: "):])
+                            if "error" in chunk:
+                                failures.append(f"error event {chunk['error']}")
+                            elif chunk["choices"]:
+                                text.append(chunk["choices"][0]["delta"].get("content") or "")
+                    if not done:
+                        failures.append("stream ended without [DONE]")
+                    answers.append("".join(text))
+            except httpx.HTTPError as exc:
+                failures.append(repr(exc))
+
+
+async def answers_while(served: Served, action: list[str]) -> tuple[subprocess.CompletedProcess[str], list[str],
+                                                                  list[str], list[str], list[str]]:
+    """Run `make <action>` while STREAMS streams loop on the assistant and one on the coder; keep the load
+    on until every assistant stream has had an answer after the action returned."""
+    stop = asyncio.Event()
+    answers: list[list[str]] = [[] for _ in range(STREAMS)]
+    coder_answers: list[str] = []
+    failures: list[str] = []
+    tasks = [asyncio.create_task(loop_streams(served, ASSISTANT, stop, answers[i], failures)) for i in range(STREAMS)]
+    tasks.append(asyncio.create_task(loop_streams(served, CODER, stop, coder_answers, failures)))
+    try:
+        while sum(map(len, answers)) < STREAMS and not failures:  # the load is on before the action starts
+            await asyncio.sleep(0.05)
+        result = await asyncio.to_thread(make, served, *action)
+        counts = [len(a) for a in answers]
+        # Two more answers per stream: the first may have picked the old version before the switch.
+        while any(len(a) < c + 2 for a, c in zip(answers, counts)) and not failures:
+            await asyncio.sleep(0.05)
+        after = [a[-1] for a in answers]
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    return result, [text for a in answers for text in a], after, coder_answers, failures
+
+
+async def test_rollout_and_rollback_under_load_drop_nothing(served: Served, stack: Stack) -> None:
+    demo_dir = stack.scripted.demo.tokenizer_dir
+    v2 = scripted_checkpoint(demo_dir, demo_dir, V2_TEXT, served.build.parent / "assistant-v2")
+    built = await asyncio.to_thread(build, served.build, ASSISTANT, v2)
+    assert "version:          2" in built.stdout
+    card = model_card(served, ASSISTANT)
+    assert card["live_version"] == 1 and [v["version"] for v in card["versions"]] == [1, 2]
+    assert chat(served, ASSISTANT) == V1_TEXT  # built, not live
+
+    result, answers, after, coder, failures = await answers_while(served, ["rollout", f"NAME={ASSISTANT}", "VERSION=2"])
+    assert failures == []
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "assistant: version 2 is live; version 1 unloaded" in result.stdout
+    assert set(answers) <= {V1_TEXT, V2_TEXT} and V1_TEXT in answers and V2_TEXT in answers
+    assert after == [V2_TEXT] * STREAMS
+    assert set(coder) == {CODER_TEXT}, coder  # the other model unaffected
+    assert chat(served, ASSISTANT) == V2_TEXT
+    card = model_card(served, ASSISTANT)
+    assert (card["live_version"], card["previous_version"]) == (2, 1)
+    index = httpx.post(f"{served.triton_http}/v2/repository/index", json={"ready": True}, timeout=30).json()
+    assert sorted((m["name"], m["version"]) for m in index) == [(ASSISTANT, "2"), (CODER, "1")]
+    metrics = httpx.get(f"{served.root}/metrics", timeout=30).text
+    assert 'model="assistant"' in metrics and 'version="2"' in metrics
+
+    result, answers, after, coder, failures = await answers_while(served, ["rollback", f"NAME={ASSISTANT}"])
+    assert failures == []
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "assistant: version 1 is live; version 2 unloaded" in result.stdout
+    assert set(answers) <= {V1_TEXT, V2_TEXT} and after == [V1_TEXT] * STREAMS
+    assert set(coder) == {CODER_TEXT}, coder
+    assert chat(served, ASSISTANT) == V1_TEXT
+
+
+def test_a_version_that_fails_to_load_leaves_the_live_one_serving(served: Served, stack: Stack) -> None:
+    live = model_card(served, ASSISTANT)["live_version"]
+    demo_dir = stack.scripted.demo.tokenizer_dir
+    broken = build(served.build, ASSISTANT, scripted_checkpoint(demo_dir, demo_dir, V2_TEXT,
+                                                                 served.build.parent / "assistant-v3"))
+    version = int(broken.stdout.split("version:")[1].split()[0])
+    (served.build / "models" / ASSISTANT / str(version) / "checkpoint" / "model.safetensors").write_bytes(b"corrupt")
+    result = make(served, "rollout", f"NAME={ASSISTANT}", f"VERSION={version}")
+    assert result.returncode != 0
+    assert f"version {version} of model '{ASSISTANT}' failed to load; version {live} still serves" in result.stderr
+    card = model_card(served, ASSISTANT)
+    assert card["live_version"] == live
+    assert chat(served, ASSISTANT) == (V1_TEXT if live == 1 else V2_TEXT)
+    assert chat(served, CODER) == CODER_TEXT
+    config = (served.build / "models" / ASSISTANT / "config.pbtxt").read_text()
+    assert f"versions: [ {live} ]" in config  # the policy on disk is back to the live version alone
