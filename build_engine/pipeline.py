@@ -287,7 +287,7 @@ def existing_version(request: BuildRequest, name: str) -> int | None:
     return max(matching, default=None)
 
 
-def _version_config(
+def version_config(
     template_dir: Path, request: BuildRequest, engine_config: dict[str, Any], model: ManagedModel, version: int
 ) -> str:
     """The model's shared config.pbtxt for this build, policy listing only ``version``.
@@ -368,7 +368,7 @@ def build_version(
             raise BuildError(f"--dtype {dtype} is not supported by the CPU engine; use one of {', '.join(DTYPES)}")
         engine_config = cpu_engine_config(checkpoint, served_model_name=name, dtype=dtype, limits=limits,
                                           source=request.source, kv_cache_tokens=request.kv_cache_tokens)
-    config_text = _version_config(template_dir, request, engine_config, model, version)
+    config_text = version_config(template_dir, request, engine_config, model, version)
     first = not (model.directory / model_store.STATE_FILE).is_file()
     if not first:
         _refuse_config_change(model, config_text)
@@ -392,7 +392,8 @@ def build_version(
         engine_config.update(
             name=name,
             model_version=version,
-            checkpoint_sha256=trtllm.checkpoint_sha256(staging / model_store.CHECKPOINT_DIR),
+            # Of the checkpoint the engine was built from, weights included (a TensorRT-LLM version's copy has none).
+            checkpoint_sha256=trtllm.checkpoint_sha256(source_checkpoint.directory),
             built_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             build_flags={f: getattr(request, f) for f in _BUILD_FLAGS if getattr(request, f) is not None},
         )

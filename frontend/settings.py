@@ -39,6 +39,10 @@ class Settings(BaseSettings):
     frontend_host: str = Field("127.0.0.1", description="address to bind")
     frontend_port: int = Field(9000, description="port to bind")
     triton_grpc_url: str = Field("127.0.0.1:8001", description="Triton gRPC endpoint host:port")
+    triton_metrics_url: str | None = Field(
+        None, description="Triton's metrics (http://127.0.0.1:8002/metrics): when set, GET /metrics serves them "
+                          "after the frontend's own, so one port carries the engine's queue and KV-cache gauges "
+                          "and Triton's ports can stay inside the host or pod")
     engine_model: str = Field("tensorrt_llm", description="Triton model that runs the engine")
     preprocessing_model: str = Field("preprocessing", description="Triton model whose config names the tokenizer")
     model_repository: Path | None = Field(

@@ -188,6 +188,7 @@ def start_frontend(cfg: Config) -> subprocess.Popen[bytes]:
         "FRONTEND_PORT": str(cfg.frontend_port),
         "TRITON_GRPC_URL": f"127.0.0.1:{cfg.grpc_port}",
         "TRITON_HTTP_URL": f"127.0.0.1:{cfg.http_port}",
+        "TRITON_METRICS_URL": f"http://127.0.0.1:{cfg.metrics_port}/metrics",
         "ENGINE_MODEL": cfg.engine_model,
     }
     if cfg.named_models:

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +28,7 @@ from benchmarks.servers import stop_process, wait_http_ok
 from launcher.ports import find_free_port
 from tests.integration.conftest import REPO_ROOT, Stack
 from tests.integration.scripted_model import CHAT_MESSAGES, _chain, write_scripted_checkpoint
+from tests.trtllm_contract.double import make_named_contract_doubles
 
 pytestmark = pytest.mark.integration
 
@@ -65,13 +67,9 @@ def scripted_checkpoint(demo_dir: Path, tokenizer_dir: Path, text: str, target: 
     return target
 
 
-@pytest.fixture(scope="module")
-def served(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    demo_dir, sentencepiece_dir = stack.scripted.demo.tokenizer_dir, stack.scripted.sentencepiece_dir
-    checkpoints = tmp_path_factory.mktemp("checkpoints")
-    out = tmp_path_factory.mktemp("named_build")
-    build(out, ASSISTANT, scripted_checkpoint(demo_dir, demo_dir, V1_TEXT, checkpoints / "assistant-v1"))
-    build(out, CODER, scripted_checkpoint(demo_dir, sentencepiece_dir, CODER_TEXT, checkpoints / "coder"))
+@contextmanager
+def launched(out: Path) -> Iterator[Served]:
+    """`python -m launcher serve` (what `make serve` runs) on the named models of `out`, on free ports."""
     ports = {name: str(find_free_port()) for name in
              ("FRONTEND_PORT", "TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT")}
     env = {**os.environ, **ports}
@@ -87,6 +85,20 @@ def served(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
         yield Served(out, root, env, f"http://127.0.0.1:{ports['TRITON_HTTP_PORT']}", log)
     finally:
         stop_process(process)
+
+
+def build_two_models(stack: Stack, out: Path, checkpoints: Path) -> None:
+    demo_dir, sentencepiece_dir = stack.scripted.demo.tokenizer_dir, stack.scripted.sentencepiece_dir
+    build(out, ASSISTANT, scripted_checkpoint(demo_dir, demo_dir, V1_TEXT, checkpoints / "assistant-v1"))
+    build(out, CODER, scripted_checkpoint(demo_dir, sentencepiece_dir, CODER_TEXT, checkpoints / "coder"))
+
+
+@pytest.fixture(scope="module")
+def served(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    out = tmp_path_factory.mktemp("named_build")
+    build_two_models(stack, out, tmp_path_factory.mktemp("checkpoints"))
+    with launched(out) as served:
+        yield served
 
 
 def chat(served: Served, model: str) -> str:
@@ -234,3 +246,27 @@ def test_a_version_that_fails_to_load_leaves_the_live_one_serving(served: Served
     assert chat(served, CODER) == CODER_TEXT
     config = (served.build / "models" / ASSISTANT / "config.pbtxt").read_text()
     assert f"versions: [ {live} ]" in config  # the policy on disk is back to the live version alone
+
+
+def test_the_tensorrt_llm_layout_rolls_out_through_the_live_link(stack: Stack,
+                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same two models and rollout in the TensorRT-LLM layout, run by the contract double, which (like
+    the C++ backend) reads its engine from the shared config's gpt_model_path only: version 2 serves its
+    own weights only if the rollout pointed the `live` link at it before loading it."""
+    out, checkpoints = tmp_path_factory.mktemp("named_trtllm"), tmp_path_factory.mktemp("checkpoints_trtllm")
+    build_two_models(stack, out, checkpoints)
+    demo_dir = stack.scripted.demo.tokenizer_dir
+    build(out, ASSISTANT, scripted_checkpoint(demo_dir, demo_dir, V2_TEXT, checkpoints / "assistant-v2"))
+    make_named_contract_doubles(out / "models")
+    config = (out / "models" / ASSISTANT / "config.pbtxt").read_text()
+    assert f'{out / "models" / ASSISTANT / "live" / "engine"}"' in config and "versions: [ 1 ]" in config
+    with launched(out) as served:
+        assert (chat(served, ASSISTANT), chat(served, CODER)) == (V1_TEXT, CODER_TEXT)
+        result = make(served, "rollout", f"NAME={ASSISTANT}", "VERSION=2")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert (chat(served, ASSISTANT), chat(served, CODER)) == (V2_TEXT, CODER_TEXT)
+        result = make(served, "rollback", f"NAME={ASSISTANT}")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert (chat(served, ASSISTANT), chat(served, CODER)) == (V1_TEXT, CODER_TEXT)
+    log = (out / "logs" / "tritonserver.log").read_text()
+    assert "TEST MODEL, the TensorRT-LLM contract double" in log  # the double served, not the CPU model

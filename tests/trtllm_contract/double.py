@@ -102,6 +102,27 @@ def add_contract_double(repository: Path, name: str, engine_dir: Path,
     (target / "1" / "model.py").write_text(_loader_source(name))
 
 
+def make_named_contract_doubles(repository: Path, template_dir: Path = REPO_ROOT / "model_repository") -> None:
+    """Turn a repository of CPU-engine named models (`build_engine --name`, build_engine/model_store.py) into
+    the TensorRT-LLM layout, each model run by the double: the shared config rendered with the TensorRT-LLM
+    values (paths through the `live` link, as a TensorRT-LLM named build renders them) and each version's
+    model.py the double's loader. The double reads its engine through gpt_model_path only, as upstream does,
+    so a rollout works here only if the link points at the version being loaded."""
+    from build_engine import model_store  # test process only
+    from build_engine.pipeline import BuildRequest, XGRAMMAR_INFO_FILE, version_config
+    from build_engine.xgrammar_info import write_tokenizer_info
+
+    for model in model_store.managed_models(Path(repository)):
+        for version in model.versions():
+            write_tokenizer_info(model.checkpoint_dir(version), model.engine_dir(version) / XGRAMMAR_INFO_FILE)
+            (model.version_dir(version) / "model.py").write_text(_loader_source(model.name))
+        live = model.live_version
+        engine_config = {**model.record(live), "xgrammar_tokenizer_info": str(model.engine_dir(live) / XGRAMMAR_INFO_FILE)}
+        rendered = version_config(Path(template_dir), BuildRequest(output_dir=Path(repository).parent, backend="trtllm"),
+                                  engine_config, model, live)
+        model.config_path.write_text(contract_config(rendered, model.name))
+
+
 def contract_config(rendered: str, name: str, knobs: dict[str, float] | None = None) -> str:
     """The rendered TensorRT-LLM config with exactly two changes: the backend line and the model name (plus
     the knobs, appended as parameters, if any)."""
@@ -229,6 +250,10 @@ def _build_model_class() -> type:
 
     class TritonPythonModel(production.TritonPythonModel):
         """The production CPU engine model behind the rules of TensorRT-LLM's C++ backend."""
+
+        # model_instance_state.cc: the executor is built from the gpt_model_path parameter alone; the backend
+        # never looks at the model version's directory.
+        reads_version_directory = False
 
         def initialize(self, args):
             config = json.loads(args["model_config"])

@@ -276,6 +276,10 @@ class EngineMetrics:
 
 
 class TritonPythonModel:
+    # A named model's version reads its own directory; the TensorRT-LLM contract double turns this off, since
+    # the C++ backend knows only gpt_model_path (the `live` link).
+    reads_version_directory = True
+
     def initialize(self, args):
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
@@ -285,7 +289,7 @@ class TritonPythonModel:
         # A named model's version directory holds its own engine record and checkpoint (build_engine/
         # model_store.py): read those, not the paths of the shared config, which name the `live` link.
         version_dir = Path(args["model_repository"]) / args["model_version"]
-        if (version_dir / "engine" / "engine_config.json").is_file():
+        if self.reads_version_directory and (version_dir / "engine" / "engine_config.json").is_file():
             engine_dir, tokenizer_dir = version_dir / "engine", str(version_dir / "checkpoint")
         self.exclude_input_default = _param(config, "exclude_input_in_output", "false").lower() == "true"
         self.max_top_logprobs = int(_param(config, "max_top_logprobs", "20") or 0)
