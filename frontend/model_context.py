@@ -99,6 +99,7 @@ class ModelRegistry:
         self._triton = triton
         self._repository = settings.model_repository
         self._contexts: dict[str | None, ModelContext] = {}
+        self._served: list[str] | None = None  # named models served: those on disk at start, + rolled out
         self._lock = asyncio.Lock()
 
     @property
@@ -110,15 +111,18 @@ class ModelRegistry:
         return model_store.managed_models(self._repository) if self._repository is not None else []
 
     def find(self, name: str) -> model_store.ManagedModel:
-        """A named model's directory; 404 if this server does not serve it."""
+        """A named model's directory (served or only built); 404 if there is none."""
         for model in self.store():
             if model.name == name:
                 return model
         raise self.not_found(name)
 
     def served_ids(self) -> list[str]:
+        """A model built while serving joins when it is rolled out (Triton loads it then), not before."""
         if self.named:
-            return [m.name for m in self.store()]
+            if self._served is None:
+                self._served = [m.name for m in self.store()]
+            return list(self._served)
         single = self._contexts.get(None)
         return [single.served_model_name] if single is not None else []
 
@@ -163,6 +167,8 @@ class ModelRegistry:
         """Route the model's new requests to `context`; returns the context they went to before."""
         previous = self._contexts.get(context.served_model_name)
         self._contexts[context.served_model_name] = context
+        if context.served_model_name not in self.served_ids():
+            self._served = [*self.served_ids(), context.served_model_name]
         return previous
 
     async def _load(self, key: str | None) -> ModelContext:
@@ -209,7 +215,7 @@ class ModelRegistry:
         """Every served model's version ready in Triton (the single engine model's, by default)."""
         if not self.named:
             return await self._triton.is_ready()
-        models = self.store()
+        models = [model for model in self.store() if model.name in self.served_ids()]
         if not models:
             return False
         for model in models:

@@ -69,6 +69,9 @@ class Rollouts:
                                    f"{', '.join(map(str, on_disk))})", "invalid_request_error", "version",
                               "version_not_found")
         if target == live:
+            if name not in self._registry.served_ids():  # built while serving: its first version joins now
+                self._registry.switch(await self._load_first(model, live))
+                return self._result(model, live, None, drained=True, started=started, changed=True)
             return self._result(model, live, None, drained=True, started=started, changed=False)
         context = await self._load_beside(model, live, target)
         old = self._registry.switch(context)
@@ -87,6 +90,16 @@ class Rollouts:
         except InferenceServerException as exc:  # version `target` serves; the old one may linger loaded
             log.error("model %s: unloading version %d failed: %s", name, live, client_message(exc.message()))
         return self._result(model, target, live, drained=drained, started=started, changed=True)
+
+    async def _load_first(self, model: model_store.ManagedModel, version: int) -> ModelContext:
+        try:
+            await self._triton.load_model(model.name)  # the policy on disk already lists `version` alone
+            return await self._registry.load_version(model.name, version)
+        except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, KeyError,
+                ValueError) as exc:
+            reason = client_message(exc.message() if isinstance(exc, InferenceServerException) else str(exc))
+            raise OpenAIError(422, f"version {version} of model '{model.name}' failed to load: {reason}",
+                              "invalid_request_error", "version", "version_load_failed") from exc
 
     async def _load_beside(self, model: model_store.ManagedModel, live: int, target: int) -> ModelContext:
         """Load `target` next to `live` and its context; on any failure, put everything back as it was."""

@@ -319,6 +319,9 @@ def administer(cfg: Config, name: str, action: str, version: int | None) -> int:
     if not result["changed"]:
         print(f"{name}: version {result['live_version']} is live (it already was)")
         return 0
+    if result["previous_version"] is None:
+        print(f"{name}: version {result['live_version']} is live (a model new to this server)")
+        return 0
     drained = ("requests on it finished" if result["drained"] else
                "requests still on it after ROLLOUT_GRACE_S were ended")
     print(f"{name}: version {result['live_version']} is live; version {result['previous_version']} unloaded "

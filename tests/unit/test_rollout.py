@@ -24,12 +24,15 @@ class FakeTriton:
 
     def __init__(self, model: model_store.ManagedModel):
         self.model = model
+        self.others: list[str] = []  # loads of other models
         self.loads: list[tuple[list[int], int | None]] = []
         self.fail_versions: set[int] = set()
         self.gate: asyncio.Event | None = None  # when set: the first load waits for it
 
     async def load_model(self, name: str) -> None:
-        assert name == self.model.name
+        if name != self.model.name:
+            self.others.append(name)
+            return
         loaded = self.model.loaded_versions()
         self.loads.append((loaded, self.model.live_link_target()))
         if self.gate is not None:
@@ -51,12 +54,13 @@ class FakeRegistry(ModelRegistry):
                             version=str(version))
 
 
-def make_model(root: Path, versions: list[int], live: int, previous: int | None = None) -> model_store.ManagedModel:
-    model = model_store.ManagedModel(root / "models" / NAME)
+def make_model(root: Path, versions: list[int], live: int, previous: int | None = None,
+               name: str = NAME) -> model_store.ManagedModel:
+    model = model_store.ManagedModel(root / "models" / name)
     for version in versions:
         (model.engine_dir(version)).mkdir(parents=True)
         (model.engine_dir(version) / model_store.ENGINE_RECORD).write_text(json.dumps({"max_seq_len": 256}))
-    model.config_path.write_text(f'name: "{NAME}"\n{model_store.version_policy_line([live])}\n')
+    model.config_path.write_text(f'name: "{name}"\n{model_store.version_policy_line([live])}\n')
     model.point_live_link(live)
     model.commit(live=live, previous=previous)
     return model
@@ -138,6 +142,19 @@ async def test_refusals(setup) -> None:
     assert (await rollouts.rollout(NAME, 2))["changed"] is False  # already live: nothing to do
     assert (await rollouts.rollback(NAME))["live_version"] == 1
 
+
+
+async def test_a_model_built_while_serving_joins_when_rolled_out(setup, tmp_path: Path) -> None:
+    _, triton, registry = setup
+    assert registry.served_ids() == [NAME]
+    make_model(tmp_path, [1], live=1, name="coder")  # `make engine NAME=coder` while serving
+    with pytest.raises(OpenAIError) as raised:
+        await registry.get("coder")
+    assert raised.value.status == 404  # not served until Triton has loaded it
+    result = await Rollouts(registry, triton, grace_s=5).rollout("coder")  # type: ignore[arg-type]
+    assert (result["live_version"], result["previous_version"], result["changed"]) == (1, None, True)
+    assert triton.others == ["coder"] and registry.served_ids() == [NAME, "coder"]
+    assert (await registry.get("coder")).version == "1"
 
 
 def test_admin_routes_are_closed_without_admin_keys_and_keys_do_not_cross() -> None:
