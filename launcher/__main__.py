@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import secrets
+import signal
 import ssl
 import subprocess
 import sys
@@ -213,16 +213,28 @@ def _loopback_tls() -> ssl.SSLContext:
     return context
 
 
-def probe_api_key() -> str | None:
-    """A key for the launcher's own /v1/models call when the frontend requires keys (never printed)."""
-    keys = [k.strip() for k in os.environ.get("API_KEYS", "").split(",") if k.strip()]
-    if not keys and os.environ.get("API_KEYS_FILE"):
+def first_key(keys_var: str, file_var: str, fallback_file: Path | None = None) -> str | None:
+    """The first key of a comma-separated variable, else of the key file a variable names (else of
+    `fallback_file`): what the launcher presents to its own frontend (never printed)."""
+    keys = [k.strip() for k in os.environ.get(keys_var, "").split(",") if k.strip()]
+    if keys:
+        return keys[0]
+    for path in (os.environ.get(file_var), fallback_file):
+        if not path:
+            continue
         try:
-            lines = Path(os.environ["API_KEYS_FILE"]).read_text(encoding="utf-8").splitlines()
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
         except OSError:
-            lines = []
+            continue
         keys = [k.strip() for k in lines if k.strip() and not k.strip().startswith("#")]
-    return keys[0] if keys else None
+        if keys:
+            return keys[0]
+    return None
+
+
+def probe_api_key() -> str | None:
+    """A key for the launcher's own /v1/models call when the frontend requires keys."""
+    return first_key("API_KEYS", "API_KEYS_FILE")
 
 
 def _http_get(url: str, timeout_s: float = 2.0, api_key: str | None = None) -> tuple[int, bytes] | None:
@@ -275,29 +287,12 @@ def ensure_admin_key(path: Path) -> Path:
     return path
 
 
-def admin_key(cfg: Config) -> str | None:
-    """ADMIN_API_KEYS' first key, else ADMIN_API_KEYS_FILE's, else the key `make serve` made."""
-    keys = [k.strip() for k in os.environ.get("ADMIN_API_KEYS", "").split(",") if k.strip()]
-    if keys:
-        return keys[0]
-    for path in (os.environ.get("ADMIN_API_KEYS_FILE"), cfg.admin_key_file):
-        if path:
-            try:
-                lines = Path(path).read_text(encoding="utf-8").splitlines()
-            except OSError:
-                continue
-            keys = [k.strip() for k in lines if k.strip() and not k.strip().startswith("#")]
-            if keys:
-                return keys[0]
-    return None
-
-
 def administer(cfg: Config, name: str, action: str, version: int | None) -> int:
     """`make rollout` / `make rollback`: ask the running frontend, print the version now live."""
     url = f"{cfg.frontend_base}/admin/models/{urllib.parse.quote(name, safe='')}/{action}"
     body = json.dumps({"version": version} if version is not None else {}).encode()
     headers = {"Content-Type": "application/json"}
-    key = admin_key(cfg)
+    key = first_key("ADMIN_API_KEYS", "ADMIN_API_KEYS_FILE", cfg.admin_key_file)
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")

@@ -1,22 +1,38 @@
-"""The metrics deploy/kubernetes scales and routes on exist, under those names, on a running CPU stack.
+"""The metrics deploy/kubernetes scales and routes on exist, under those names, on a running CPU stack's
+frontend /metrics.
+
+In a pod, Triton listens on 127.0.0.1 only and the frontend's GET /metrics (port 9000) is what the endpoint
+picker and Prometheus scrape: with TRITON_METRICS_URL set, as the manifests and `make serve` set it, it
+serves the frontend's own metrics followed by Triton's. The session stack's frontend runs without that
+setting, so this module starts a second frontend in front of the same Triton, with TRITON_METRICS_URL = the
+stack's Triton metrics URL, and scrapes that frontend only.
 
 The names are read from the rendered CPU overlay (the endpoint picker's engine config for its pods, the
-HPA's metrics through the prometheus-adapter rules), not restated here: a manifest naming a metric that
-the stack does not export fails this test. The endpoint picker scrapes Triton's metrics port, so its names
-must be there; the autoscaler's series may come from either /metrics (the PodMonitor scrapes both).
-The GPU overlays' nv_trt_llm_* names need TensorRT-LLM and cannot be scraped here;
-tests/unit/test_kubernetes_manifests.py checks they are the extension's protocol names.
+HPA's metrics through the prometheus-adapter rules), not restated here: a manifest naming a metric that the
+frontend's /metrics does not carry fails this test. The GPU overlays' nv_trt_llm_* names need TensorRT-LLM
+and cannot be scraped here; tests/unit/test_kubernetes_manifests.py checks they are the extension's
+protocol names.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.integration.conftest import Stack
-from tests.unit.test_kubernetes_manifests import autoscaler_metrics, picker_metrics, render
+from benchmarks.servers import stop_process, wait_http_ok
+from launcher.ports import find_free_port
+from tests.integration.conftest import Stack, start_frontend
+from tests.unit.test_kubernetes_manifests import (
+    autoscaler_metrics,
+    container,
+    env_of,
+    picker_metrics,
+    render,
+    server_pod,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -37,28 +53,59 @@ def metric_type(text: str, name: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def scrapes(stack: Stack) -> dict[str, str]:
-    return {"triton": httpx.get(stack.triton_metrics_url, timeout=10).text,
-            "frontend": httpx.get(f"{stack.root_url}/metrics", timeout=10).text}
+def pod_frontend(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A frontend configured as the pod's: TRITON_METRICS_URL pointing at Triton's metrics on loopback."""
+    # The manifests give the frontend the pod's Triton metrics URL; here the same setting, on the stack's port.
+    pod_url = env_of(container(server_pod(render("cpu")), "frontend"))["TRITON_METRICS_URL"]
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", pod_url), pod_url
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", stack.triton_metrics_url), stack.triton_metrics_url
+    port = find_free_port()
+    process = start_frontend(stack.triton_grpc_url, port, tmp_path_factory.mktemp("k8s_metrics") / "frontend.log",
+                             TRITON_METRICS_URL=stack.triton_metrics_url)
+    try:
+        root = f"http://127.0.0.1:{port}"
+        wait_http_ok(f"{root}/health/ready", 120, process)
+        yield root
+    finally:
+        stop_process(process)
 
 
-def test_endpoint_picker_metrics_are_on_tritons_metrics_port(scrapes: dict[str, str]) -> None:
+@pytest.fixture(scope="module")
+def scrape(pod_frontend: str) -> str:
+    """The frontend's GET /metrics: what the endpoint picker and the PodMonitor read from a pod."""
+    response = httpx.get(f"{pod_frontend}/metrics", timeout=10)
+    response.raise_for_status()
+    assert "are unavailable" not in response.text, "the frontend could not fetch Triton's metrics"
+    return response.text
+
+
+def test_frontend_metrics_carry_tritons(scrape: str, stack: Stack) -> None:
+    # Its own and Triton's, each family once (the two sets share no name).
+    assert len(series(scrape, "tritonllm_requests_queued", {})) == 1
+    assert series(scrape, "nv_inference_request_success", {"model": "tensorrt_llm"}), "Triton's metrics missing"
+    families = re.findall(r"^# TYPE (\S+) ", scrape, re.M)
+    assert len(families) == len(set(families)), "a metric family appears twice"
+    # Without TRITON_METRICS_URL (the session stack's frontend) only the frontend's own are there.
+    plain = httpx.get(f"{stack.root_url}/metrics", timeout=10).text
+    assert not series(plain, "nv_inference_request_success", {})
+
+
+def test_endpoint_picker_metrics_are_on_the_frontends_metrics(scrape: str) -> None:
     wanted = picker_metrics(render("cpu"))
     assert {"queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec"} <= wanted.keys()
     for field, (name, labels) in wanted.items():
-        values = series(scrapes["triton"], name, labels)
-        assert len(values) == 1, f"{field}: {name}{labels} on Triton's metrics port: {values}"
+        values = series(scrape, name, labels)
+        assert len(values) == 1, f"{field}: {name}{labels} on the frontend's /metrics: {values}"
         # The model-server protocol asks for gauges (current values, not counters).
-        assert metric_type(scrapes["triton"], name) == "gauge", name
+        assert metric_type(scrape, name) == "gauge", name
     name, labels = wanted["kvUsageSpec"]
-    assert 0.0 <= series(scrapes["triton"], name, labels)[0] <= 1.0, "KV-cache use is a fraction"
+    assert 0.0 <= series(scrape, name, labels)[0] <= 1.0, "KV-cache use is a fraction"
 
 
-def test_autoscaler_metrics_are_exported(scrapes: dict[str, str]) -> None:
+def test_autoscaler_metrics_are_on_the_frontends_metrics(scrape: str) -> None:
     wanted = autoscaler_metrics(render("cpu"))
+    assert "tritonllm_requests_queued" in wanted and len(wanted) == 2
     for custom_name, (name, labels) in wanted.items():
-        found = {where: series(text, name, labels) for where, text in scrapes.items()}
-        assert any(found.values()), f"the HPA's {custom_name} comes from {name}{labels}, exported by neither"
-        assert all(metric_type(scrapes[where], name) == "gauge" for where, values in found.items() if values)
-    # The frontend's admission queue is the frontend's own metric.
-    assert len(series(scrapes["frontend"], "tritonllm_requests_queued", {})) == 1
+        values = series(scrape, name, labels)
+        assert values, f"the HPA's {custom_name} comes from {name}{labels}, not on the frontend's /metrics"
+        assert metric_type(scrape, name) == "gauge", name

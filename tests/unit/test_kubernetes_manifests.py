@@ -5,8 +5,10 @@ what `make serve` does: the launcher's ports, environment and health checks (lau
 calling it, not restated here), the frontend's routes, the commands of the Makefile's `serve` target. A
 changed port, probe path or command in the code fails here until the manifests follow. Also checked: what
 the schema validation of `make lint` cannot see in the custom resources (InferencePool, LeaderWorkerSet),
-and that every metric name the autoscaler and the endpoint picker read is one the model servers export
-(tests/integration/test_kubernetes_metrics.py scrapes a running CPU stack for the same names).
+that every metric name the autoscaler and the endpoint picker read is one the model servers export
+(tests/integration/test_kubernetes_metrics.py scrapes a running CPU stack's frontend for the same names), and
+that Triton stays inside the pod: no container exposes its ports, nothing binds them to all interfaces, and
+the endpoint picker and Prometheus read the engine's gauges on the frontend's /metrics (TRITON_METRICS_URL).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ PROTOCOL_TRTLLM = {
     "runningRequestsSpec": "nv_trt_llm_request_metrics{request_type=scheduled}",
     "kvUsageSpec": "nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}",
 }
+# Triton's default ports, as the launcher and the manifests use them (checked against the launcher below).
+TRITON_PORTS = {8000, 8001, 8002}
 LAUNCHER_ENV = ("FRONTEND_HOST", "FRONTEND_PORT", "TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT",
                 "ENGINE_MODEL", "SHUTDOWN_GRACE_S", "TRITON_READY_TIMEOUT", "SSL_CERTFILE", "SSL_KEYFILE",
                 "API_KEYS", "API_KEYS_FILE", "MAX_RESTARTS_PER_MINUTE")
@@ -82,6 +86,20 @@ def env_of(c: dict[str, Any]) -> dict[str, str]:
 
 def ports_of(c: dict[str, Any]) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+
+
+def pod_specs(node: Any) -> list[dict[str, Any]]:
+    """Every pod spec in a rendered resource (Deployment, Job, LeaderWorkerSet leader and worker, ...)."""
+    if isinstance(node, dict):
+        found = [node] if isinstance(node.get("containers"), list) else []
+        return found + [spec for value in node.values() for spec in pod_specs(value)]
+    if isinstance(node, list):
+        return [spec for item in node for spec in pod_specs(item)]
+    return []
+
+
+def all_containers(docs: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    return [c for doc in docs for spec in pod_specs(doc) for c in spec.get("initContainers", []) + spec["containers"]]
 
 
 def epp_config(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
@@ -185,12 +203,18 @@ def test_overlay_renders_one_frontend_pod_that_hides_triton(overlay: str) -> Non
     pod = server_pod(docs)
     frontend, triton = container(pod, "frontend"), container(pod, "triton")
     assert triton.get("restartPolicy") == "Always", "Triton runs as a sidecar: up before the frontend, down after"
-    # Triton's HTTP/gRPC stay on the pod's loopback; only the frontend and Triton's metrics are declared.
+    # Triton's HTTP, gRPC and metrics all stay on the pod's loopback; the frontend's port is the only one.
     assert ports_of(frontend) == {"http": 9000}
-    assert ports_of(triton) == {"triton-metrics": 8002}
+    assert ports_of(triton) == {}
     assert env_of(frontend)["TRITON_GRPC_URL"].startswith("127.0.0.1:")
-    if "TRITON_ADDRESS" in env_of(triton):
-        assert env_of(triton)["TRITON_ADDRESS"] == "127.0.0.1"
+    # The engine's gauges leave the pod on the frontend's /metrics, fetched from Triton on loopback.
+    triton_env = env_of(triton)
+    assert env_of(frontend)["TRITON_METRICS_URL"] == f"http://127.0.0.1:{triton_env['TRITON_METRICS_PORT']}/metrics"
+    if triton["command"][:3] == ["python", "-m", "launcher.mpi"]:
+        # launcher.mpi binds all interfaces unless TRITON_ADDRESS says otherwise.
+        assert triton_env.get("TRITON_ADDRESS") == "127.0.0.1"
+    else:
+        assert "TRITON_ADDRESS" not in triton_env or triton_env["TRITON_ADDRESS"] == "127.0.0.1"
     # The one Service exposes the frontend only.
     service = resource(docs, "Service", "tritonllm")
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
@@ -207,6 +231,39 @@ def test_overlay_renders_one_frontend_pod_that_hides_triton(overlay: str) -> Non
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_container_exposes_tritons_ports_or_binds_them_to_all_interfaces(overlay: str) -> None:
+    docs = render(overlay)
+    containers = all_containers(docs)
+    assert {"frontend", "triton"} <= {c["name"] for c in containers}
+    for c in containers:
+        exposed = {p["containerPort"] for p in c.get("ports", [])} & TRITON_PORTS
+        assert not exposed, f"{overlay}: container {c['name']} declares Triton's port(s) {sorted(exposed)}"
+        # Every string of its command line, shell one-liners included.
+        words = [w for arg in c.get("command", []) + c.get("args", []) for w in str(arg).split()]
+        for word in words:
+            match = re.match(r"--(metrics|http|grpc)-address(?:=(.*))?$", word)
+            if match:
+                assert match.group(2) == "127.0.0.1", f"{overlay}: container {c['name']} binds {word!r}"
+        for name, value in env_of(c).items():
+            if name == "TRITON_ADDRESS":
+                assert value == "127.0.0.1", f"{overlay}: container {c['name']}: TRITON_ADDRESS={value}"
+    # Nor does any Service or NetworkPolicy name them.
+    for doc in docs:
+        if doc["kind"] == "Service":
+            ports = {p["port"] for p in doc["spec"]["ports"]} | {p.get("targetPort") for p in doc["spec"]["ports"]}
+            assert not ports & TRITON_PORTS, f"{overlay}: Service {doc['metadata']['name']}: {ports}"
+        if doc["kind"] == "NetworkPolicy":
+            ports = {p["port"] for rule in doc["spec"].get("ingress", []) for p in rule.get("ports", [])}
+            assert not ports & TRITON_PORTS, f"{overlay}: NetworkPolicy {doc['metadata']['name']}: {ports}"
+
+
+def test_tritons_ports_are_the_launchers(launcher_config: launcher_main.Config) -> None:
+    """TRITON_PORTS are the launcher's defaults (the ports the pods use), so the check above covers them."""
+    cfg = launcher_config
+    assert {cfg.http_port, cfg.grpc_port, cfg.metrics_port} == TRITON_PORTS
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_inference_pool_selects_the_server_pods_through_the_frontend(overlay: str) -> None:
     docs = render(overlay)
     pod = server_pod(docs)
@@ -215,24 +272,39 @@ def test_inference_pool_selects_the_server_pods_through_the_frontend(overlay: st
     labels = pod["metadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports_of(container(pod, "frontend"))["http"]]
-    # The picker it names exists, on that port, and scrapes Triton's metrics port of these pods.
+    # The picker it names exists, on that port, and scrapes the frontend's port of these pods (its
+    # /metrics, which carries Triton's metrics too).
     ref = pool["spec"]["endpointPickerRef"]
     epp_service = resource(docs, "Service", ref["name"])
     assert ref["port"]["number"] in [p["port"] for p in epp_service["spec"]["ports"]]
     epp = resource(docs, "Deployment", ref["name"])
     assert epp_service["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
     args = epp["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert f"--model-server-metrics-port={ports_of(container(pod, 'triton'))['triton-metrics']}" in args
+    assert f"--model-server-metrics-port={ports_of(container(pod, 'frontend'))['http']}" in args
+    assert [a for a in args if a.startswith("--model-server-metrics-port=")] == ["--model-server-metrics-port=9000"]
+    source = next(p for p in epp_config(docs)["plugins"] if p["type"] == "metrics-data-source")
+    assert source["parameters"]["path"] == "/metrics"
     assert "--pool-name=tritonllm" in args
     route = resource(docs, "HTTPRoute", "tritonllm")
     assert route["spec"]["rules"][0]["backendRefs"][0]["name"] == "tritonllm"
-    # Only the frontend port is open to all; Triton's metrics only to the picker (and Prometheus).
+    # The frontend's port is open to all; the picker and Prometheus have a rule of their own for it (kept
+    # when the first rule's `from` is narrowed to the gateway). Nothing else is open.
     policy = resource(docs, "NetworkPolicy", "tritonllm-server")
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     open_rule, metrics_rule = policy["spec"]["ingress"]
     assert "from" not in open_rule and [p["port"] for p in open_rule["ports"]] == [9000]
-    assert [p["port"] for p in metrics_rule["ports"]] == [8002]
+    assert [p["port"] for p in metrics_rule["ports"]] == [9000]
     assert {"podSelector": {"matchLabels": epp["spec"]["selector"]["matchLabels"]}} in metrics_rule["from"]
+    assert {"namespaceSelector": {"matchLabels": {"tritonllm.io/monitoring": "true"}}} in metrics_rule["from"]
+
+
+def test_prometheus_scrapes_the_frontends_metrics_only() -> None:
+    docs = tuple(yaml.safe_load_all((K8S / "monitoring" / "podmonitor.yaml").read_text()))
+    monitor = resource(docs, "PodMonitor", "tritonllm")
+    pod = server_pod(render("cpu"))
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["podMetricsEndpoints"]] == [("http", "/metrics")]
+    assert ports_of(container(pod, "frontend"))["http"] == 9000
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -293,7 +365,10 @@ def test_cpu_pod_has_the_ports_and_environment_of_make_serve(launcher_config: la
     frontend, triton = container(pod, "frontend"), container(pod, "triton")
     expected = launcher_frontend_env(cfg, monkeypatch)
     got = env_of(frontend)
-    for name in ("FRONTEND_HOST", "FRONTEND_PORT", "TRITON_GRPC_URL", "TRITON_HTTP_URL", "ENGINE_MODEL"):
+    # TRITON_METRICS_URL: the frontend's /metrics carries Triton's, as under `make serve`.
+    assert "TRITON_METRICS_URL" in expected, "the launcher no longer passes TRITON_METRICS_URL"
+    for name in ("FRONTEND_HOST", "FRONTEND_PORT", "TRITON_GRPC_URL", "TRITON_HTTP_URL", "TRITON_METRICS_URL",
+                 "ENGINE_MODEL"):
         assert got[name] == expected[name], name
     assert float(got["SHUTDOWN_GRACE_S"]) == cfg.shutdown_grace_s
     assert ports_of(frontend)["http"] == cfg.frontend_port
@@ -301,7 +376,8 @@ def test_cpu_pod_has_the_ports_and_environment_of_make_serve(launcher_config: la
     triton_env = env_of(triton)
     assert int(triton_env["TRITON_HTTP_PORT"]) == cfg.http_port
     assert int(triton_env["TRITON_GRPC_PORT"]) == cfg.grpc_port
-    assert int(triton_env["TRITON_METRICS_PORT"]) == cfg.metrics_port == ports_of(triton)["triton-metrics"]
+    assert int(triton_env["TRITON_METRICS_PORT"]) == cfg.metrics_port
+    assert ports_of(triton) == {}, "Triton's ports stay inside the pod"
     assert triton_env["ENGINE_MODEL"] == cfg.engine_model
 
 
@@ -341,15 +417,17 @@ def test_cpu_pod_runs_the_commands_of_make_serve(tmp_path: Path, launcher_config
     assert configmap["data"]["triton_cpu.py"] == (K8S / "overlays" / "cpu" / "triton_cpu.py").read_text()
 
 
-def test_triton_cpu_execs_the_launchers_tritonserver_with_metrics_on_the_pod_ip(
+def test_triton_cpu_execs_the_launchers_tritonserver_with_every_port_on_loopback(
         tmp_path: Path, launcher_config: launcher_main.Config) -> None:
     cfg = launcher_config
     argv, env = load_triton_cpu().command(["--model-repository", str(tmp_path / "repo"), "--work-dir", str(tmp_path)])
     launcher_argv = launcher_tritonserver.TritonServer(
         tmp_path / "repo", cfg.http_port, cfg.grpc_port, cfg.metrics_port, log_file=tmp_path / "log",
         work_dir=tmp_path, model_name=cfg.engine_model).command()
-    assert argv == [*launcher_argv, "--metrics-address=0.0.0.0"]  # tritonserver keeps the last value
-    assert "--http-address=127.0.0.1" in argv and "--grpc-address=127.0.0.1" in argv
+    assert argv == launcher_argv, "the launcher's command, nothing added"
+    addresses = [a for a in argv if re.match(r"--(http|grpc|metrics)-address", a)]
+    assert sorted(addresses) == ["--grpc-address=127.0.0.1", "--http-address=127.0.0.1",
+                                 "--metrics-address=127.0.0.1"]
     assert f"--metrics-port={cfg.metrics_port}" in argv
     assert Path(argv[0]).is_file() and "LD_LIBRARY_PATH" in env
 

@@ -1,11 +1,11 @@
-"""The CPU overlay's Triton container: the tritonserver of `make serve`, as PID 1, metrics on the pod IP.
+"""The CPU overlay's Triton container: the tritonserver of `make serve`, as PID 1, every port on loopback.
 
 `make serve` runs `python -m launcher serve`, which starts tritonserver and the frontend side by side. In
 the pod they are two containers, so this runs only the first half, with the launcher's own code: the ports
-from the same environment variables (load_config), the same command (TritonServer.command(): HTTP and gRPC
-on 127.0.0.1, the Python backend assembled from the nvidia-pytriton wheel, the shared-memory prefix), with
-one flag added at the end, --metrics-address=0.0.0.0 (tritonserver keeps the last value of a repeated
-flag), so that the endpoint picker and Prometheus can read the engine's queue and KV-cache gauges.
+from the same environment variables (load_config), the same command (TritonServer.command(): HTTP, gRPC and
+metrics on 127.0.0.1, the Python backend assembled from the nvidia-pytriton wheel, the shared-memory
+prefix), nothing added. The endpoint picker and Prometheus read the engine's gauges (cpu_engine_*) through
+the frontend's /metrics, which fetches Triton's on loopback (TRITON_METRICS_URL), as under `make serve`.
 
 It exec's tritonserver rather than supervising it: the container runtime restarts it, SIGTERM reaches it
 directly, and its log goes to the container's stdout (`kubectl logs -c triton`).
@@ -19,7 +19,6 @@ import sys
 from launcher.__main__ import build_parser, load_config
 from launcher.tritonserver import TritonServer
 
-METRICS_ADDRESS = "0.0.0.0"
 # launcher/tritonserver.py TritonServer.start() sets this default too (OpenMP threads spin briefly between
 # the engine step's parallel regions, then sleep); the environment may override it.
 DEFAULT_ENV = {"GOMP_SPINCOUNT": "10000"}
@@ -29,8 +28,7 @@ def command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """tritonserver's argv and environment for `serve` arguments (--model-repository, --work-dir)."""
     cfg = load_config(build_parser().parse_args(["serve", *argv]))
     server = TritonServer(cfg.model_repository, cfg.http_port, cfg.grpc_port, cfg.metrics_port,
-                          log_file=cfg.triton_log, work_dir=cfg.work_dir, model_name=cfg.engine_model,
-                          extra_args=[f"--metrics-address={METRICS_ADDRESS}"])
+                          log_file=cfg.triton_log, work_dir=cfg.work_dir, model_name=cfg.engine_model)
     return server.command(), {**DEFAULT_ENV, **os.environ, **server.install.env}
 
 
