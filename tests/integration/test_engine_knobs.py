@@ -11,6 +11,7 @@ The engine-thread crash is tested through the frontend in test_generation_path.p
 from __future__ import annotations
 
 import queue
+import re
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -117,12 +118,11 @@ def run(url: str, model: str, inputs: list[grpcclient.InferInput], request_id: s
 
 
 def metric(metrics_url: str, name: str, model: str) -> float:
-    prefix = f'{name}{{model="{model}"}} '
+    """One engine model's value of a CPU engine metric (labels: model, version); 0 while not exported."""
     with urllib.request.urlopen(metrics_url, timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(prefix):
-                return float(line[len(prefix):])
-    return 0.0
+        text = response.read().decode()
+    match = re.search(rf'^{name}{{[^}}]*model="{model}"[^}}]*}} ([0-9.e+-]+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
 
 
 def wait_for(condition, timeout_s: float, what: str) -> None:
