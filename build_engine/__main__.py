@@ -163,7 +163,8 @@ def _main_named(request: BuildRequest, if_missing: bool, dry: bool, name: str, k
 
 def _print_version(result: VersionResult) -> None:
     if result.version == result.live_version:
-        state = "(live when the server starts or restarts)"
+        state = (f"(live: `make serve` serves it; a server already running takes it in with "
+                 f"`make rollout NAME={result.name}`)")
     else:
         state = (f"(on disk; live: {result.live_version}) — roll it out with "
                  f"`make rollout NAME={result.name} VERSION={result.version}`")

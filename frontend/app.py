@@ -11,9 +11,9 @@ from typing import AsyncIterator
 import anyio
 from fastapi import FastAPI
 
+from frontend import admin
 from frontend.errors import OpenAIError, install_error_handlers
 from frontend.middleware import Edge, EdgeMiddleware
-from frontend import admin
 from frontend.model_context import ModelRegistry
 from frontend.rollout import Rollouts
 from frontend.routes import router
@@ -45,7 +45,6 @@ def create_app(settings: Settings) -> FastAPI:
         engine = TritonEngine(settings.triton_grpc_url, settings.engine_model, settings.preprocessing_model,
                               settings.triton_timeout_s)
         app.state.settings = settings
-        app.state.engine = engine
         app.state.models = ModelRegistry(settings, engine)
         app.state.rollouts = Rollouts(app.state.models, engine, settings.rollout_grace_s)
         warn_if_open(settings, edge)

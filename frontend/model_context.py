@@ -16,11 +16,12 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from build_engine import model_store
 from frontend.engine import EngineMetadata, EngineRequest, TokenChunk
 from frontend.errors import OpenAIError, service_unavailable
+from frontend.schemas import ModelVersion
 from frontend.settings import Settings
 from frontend.tokenizer import Tokenizer
 from frontend.tool_parsers import parser_for_template
@@ -159,9 +160,20 @@ class ModelRegistry:
         return OpenAIError(404, f"The model '{model}' does not exist; this server serves {ids}",
                            "invalid_request_error", "model", "model_not_found")
 
-    def current(self, model: str) -> ModelContext | None:
-        """The loaded context of a named model, if any (rollouts swap it)."""
-        return self._contexts.get(model)
+    def versions(self, context: ModelContext) -> dict[str, Any]:
+        """A named model's card fields: the live version, the rollback target and every version on disk with
+        its engine record (nothing for the single engine model)."""
+        if not self.named:
+            return {}
+        model = self.find(context.served_model_name)
+        versions = []
+        for version in model.versions():
+            record = model.record(version)
+            versions.append(ModelVersion(version=version, status="live" if str(version) == context.version else "on_disk",
+                                         source=record.get("source"), checkpoint_sha256=record.get("checkpoint_sha256"),
+                                         built_at=record.get("built_at")))
+        return {"live_version": int(context.version), "previous_version": model.previous_version,
+                "versions": versions}
 
     def switch(self, context: ModelContext) -> ModelContext | None:
         """Route the model's new requests to `context`; returns the context they went to before."""

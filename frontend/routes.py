@@ -15,7 +15,7 @@ from frontend.model_context import ModelContext
 from frontend.renderers import ChatRenderer, CompletionRenderer
 from frontend.responses import GenerationResponse
 from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, ModelCard,
-                              ModelList, ModelVersion, SamplingFields, TokenizeRequest, now)
+                              ModelList, SamplingFields, TokenizeRequest, now)
 from frontend.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs
 from frontend.structured import answer_parsing, chat_guide, extension_guide
 
@@ -42,18 +42,7 @@ async def model_context(request: Request, model: str | None = None) -> ModelCont
 
 def model_card(request: Request, context: ModelContext) -> ModelCard:
     card = ModelCard(id=context.served_model_name, created=now(), max_model_len=context.context_length)
-    if not request.app.state.models.named:
-        return card
-    model = request.app.state.models.find(context.served_model_name)
-    state = model.state()
-    versions = []
-    for version in model.versions():
-        record = model.record(version)
-        versions.append(ModelVersion(version=version, status="live" if str(version) == context.version else "on_disk",
-                                     source=record.get("source"), checkpoint_sha256=record.get("checkpoint_sha256"),
-                                     built_at=record.get("built_at")))
-    return card.model_copy(update={"live_version": int(context.version), "previous_version": state["previous"],
-                                   "versions": versions})
+    return card.model_copy(update=request.app.state.models.versions(context))
 
 
 # ----- health, models, tokenizer helpers -----------------------------------------------------------
