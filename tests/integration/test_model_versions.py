@@ -209,6 +209,8 @@ async def test_rollout_and_rollback_under_load_drop_nothing(served: Served, stac
     result, answers, after, coder, failures = await answers_while(served, ["rollout", f"NAME={ASSISTANT}", "VERSION=2"])
     assert failures == []
     assert result.returncode == 0, result.stdout + result.stderr
+    print(f"\nrollout under load: {len(answers)} assistant + {len(coder)} coder answers, {len(failures)} failed; "
+          f"{result.stdout.strip()}")  # figures for `pytest -s` (the closing notes quote them)
     assert "assistant: version 2 is live; version 1 unloaded" in result.stdout
     assert set(answers) <= {V1_TEXT, V2_TEXT} and V1_TEXT in answers and V2_TEXT in answers
     assert after == [V2_TEXT] * STREAMS
@@ -224,6 +226,8 @@ async def test_rollout_and_rollback_under_load_drop_nothing(served: Served, stac
     result, answers, after, coder, failures = await answers_while(served, ["rollback", f"NAME={ASSISTANT}"])
     assert failures == []
     assert result.returncode == 0, result.stdout + result.stderr
+    print(f"rollback under load: {len(answers)} assistant + {len(coder)} coder answers, {len(failures)} failed; "
+          f"{result.stdout.strip()}")
     assert "assistant: version 1 is live; version 2 unloaded" in result.stdout
     assert set(answers) <= {V1_TEXT, V2_TEXT} and after == [V1_TEXT] * STREAMS
     assert set(coder) == {CODER_TEXT}, coder
