@@ -58,7 +58,7 @@ def test_first_build_creates_a_live_version_1(two_versions: dict[str, object]) -
     record = model.record(1)
     assert (record["name"], record["model_version"], record["served_model_name"]) == (NAME, 1, NAME)
     assert re.fullmatch(r"[0-9a-f]{64}", record["checkpoint_sha256"])
-    assert record["checkpoint_sha256"] == trtllm.checkpoint_sha256(model.checkpoint_dir(1))
+    assert record["checkpoint_sha256"] == trtllm.checkpoint_sha256(model.checkpoint_dir(1))  # a full copy
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", record["built_at"])
     assert record["build_flags"] == {"max_batch_size": 4, "max_seq_len": 256, "tp_size": 1}
     assert record["source"] == {"preset": "tiny"}
@@ -186,7 +186,8 @@ def test_named_trtllm_build(
     assert record["xgrammar_tokenizer_info"] == str(model.engine_dir(1) / "xgrammar_tokenizer_info.json")
     assert (model.engine_dir(1) / "xgrammar_tokenizer_info.json").is_file()
     assert record["checkpoint_dir"] == str(model.checkpoint_dir(1))
-    assert record["checkpoint_sha256"] == trtllm.checkpoint_sha256(model.checkpoint_dir(1))
+    # Of the checkpoint the engine was built from, weights included: the version's copy has none.
+    assert record["checkpoint_sha256"] == trtllm.checkpoint_sha256(tiny_checkpoint)
     config = parse(model.config_path.read_text())
     assert (config.name, config.backend) == ("gpu", "tensorrtllm")
     live_engine = model.directory / "live" / "engine"
