@@ -12,7 +12,6 @@ import json
 import socket
 import statistics
 import time
-from pathlib import Path
 from typing import Iterator
 
 import httpx
