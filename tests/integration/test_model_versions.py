@@ -30,7 +30,8 @@ from tests.integration.conftest import REPO_ROOT, Stack
 from tests.integration.scripted_model import CHAT_MESSAGES, _chain, write_scripted_checkpoint
 from tests.trtllm_contract.double import make_named_contract_doubles
 
-pytestmark = pytest.mark.integration
+# Builds, a launcher start and several engine loads per test: generous bounds for slow machines.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 ASSISTANT, CODER = "assistant", "coder"
 V1_TEXT, V2_TEXT = "Version one.", "Second build!"
