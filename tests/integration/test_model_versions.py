@@ -18,7 +18,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import openai
@@ -38,6 +38,7 @@ V1_TEXT, V2_TEXT = "Version one.", "Second build!"
 CODER_TEXT = " 你好🚀👍"  # as the SentencePiece tokenizer spells it (its `▁` is a space): only the coder's own
 # tokenizer turns the coder's tokens into this text
 STREAMS = 6
+LOAD_WAIT_S = 300  # for the looping streams' next answers: a bound for a hung stack, not a speed
 BUILD_FLAGS = ["--max-batch-size", "8", "--max-seq-len", "256"]
 
 
@@ -146,8 +147,10 @@ def test_admin_routes_need_the_admin_key(served: Served) -> None:
     assert key_file.stat().st_mode & 0o077 == 0  # only its owner may read it
 
 
-async def loop_streams(served: Served, model: str, stop: asyncio.Event, answers: list[str], failures: list[str]) -> None:
-    """Stream the chat request again and again until `stop`; every answer, or what went wrong."""
+async def loop_streams(served: Served, model: str, stop: asyncio.Event, progress: asyncio.Condition,
+                       answers: list[str], failures: list[str]) -> None:
+    """Stream the chat request again and again until `stop`; every answer, or what went wrong, and a
+    `progress` notification after each."""
     body = {"model": model, "messages": CHAT_MESSAGES, "temperature": 0, "max_tokens": 32, "stream": True}
     async with httpx.AsyncClient(timeout=120) as client:
         while not stop.is_set():
@@ -171,26 +174,33 @@ async def loop_streams(served: Served, model: str, stop: asyncio.Event, answers:
                     answers.append("".join(text))
             except httpx.HTTPError as exc:
                 failures.append(repr(exc))
+            finally:
+                async with progress:
+                    progress.notify_all()
 
 
 async def answers_while(served: Served, action: list[str]) -> tuple[subprocess.CompletedProcess[str], list[str],
                                                                   list[str], list[str], list[str]]:
     """Run `make <action>` while STREAMS streams loop on the assistant and one on the coder; keep the load
     on until every assistant stream has had an answer after the action returned."""
-    stop = asyncio.Event()
+    stop, progress = asyncio.Event(), asyncio.Condition()
     answers: list[list[str]] = [[] for _ in range(STREAMS)]
     coder_answers: list[str] = []
     failures: list[str] = []
-    tasks = [asyncio.create_task(loop_streams(served, ASSISTANT, stop, answers[i], failures)) for i in range(STREAMS)]
-    tasks.append(asyncio.create_task(loop_streams(served, CODER, stop, coder_answers, failures)))
+
+    async def answered(enough: Callable[[], bool]) -> None:
+        async with asyncio.timeout(LOAD_WAIT_S), progress:
+            await progress.wait_for(lambda: enough() or bool(failures))
+
+    tasks = [asyncio.create_task(loop_streams(served, ASSISTANT, stop, progress, answers[i], failures))
+             for i in range(STREAMS)]
+    tasks.append(asyncio.create_task(loop_streams(served, CODER, stop, progress, coder_answers, failures)))
     try:
-        while sum(map(len, answers)) < STREAMS and not failures:  # the load is on before the action starts
-            await asyncio.sleep(0.05)
+        await answered(lambda: sum(map(len, answers)) >= STREAMS)  # the load is on before the action starts
         result = await asyncio.to_thread(make, served, *action)
         counts = [len(a) for a in answers]
         # Two more answers per stream: the first may have picked the old version before the switch.
-        while any(len(a) < c + 2 for a, c in zip(answers, counts)) and not failures:
-            await asyncio.sleep(0.05)
+        await answered(lambda: all(len(a) >= c + 2 for a, c in zip(answers, counts)))
         after = [a[-1] for a in answers]
     finally:
         stop.set()
