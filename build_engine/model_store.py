@@ -7,6 +7,8 @@
                                          and, for the CPU engine, weights)
     <repository>/<name>/live             link to the version directory Triton loads next (see below)
     <repository>/<name>/rollout.json     {"live": N, "previous": M}: what serves, and what rollback restores
+    <repository>/<name>/.lock            the model's lock (flock): the build's placing and pruning of versions
+                                         and the rollout's edits of policy, link and state hold it
 
 Why it is shaped like this (measured against tritonserver 2.51 in explicit model-control mode):
 - Triton keeps one config per model for all its versions, and a `load` of a model whose config changed
@@ -21,16 +23,23 @@ Why it is shaped like this (measured against tritonserver 2.51 in explicit model
   engine model knows its version and reads `<N>/engine` directly.
 - Every version holds its own checkpoint copy: a rollback must load the weights that served before, even
   if the checkpoint folder it was built from has been overwritten since.
+- The build (`make engine NAME=...`) and the frontend's rollout are different processes that edit one
+  directory: each edit takes the model's lock (`locked()`, an flock on `.lock`), and pruning never deletes a
+  version that the version_policy, the `live` link or rollout.json names. A rollout names the version it is
+  about to load in the policy under the lock, before loading it, so a build's prune cannot take it away.
 
 Standard library only: the frontend, the launcher and the build all read it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +47,7 @@ from typing import Any
 CONFIG_FILE = "config.pbtxt"
 STATE_FILE = "rollout.json"
 LIVE_LINK = "live"
+LOCK_FILE = ".lock"
 ENGINE_DIR = "engine"
 CHECKPOINT_DIR = "checkpoint"
 ENGINE_RECORD = "engine_config.json"
@@ -147,6 +157,18 @@ class ManagedModel:
         return int(target) if target.isdigit() else None
 
     # ----- changes ----------------------------------------------------------------------------------
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the model's lock, across processes (flock on `.lock`): the build's placing and pruning of
+        versions and the rollout's edits of policy, link and state take it, for a few file operations each,
+        never across a build or a load. Not re-entrant: a holder must not call prune() or settle()."""
+        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
     def set_loaded(self, versions: list[int]) -> None:
         """Rewrite config.pbtxt's version_policy (atomically: Triton may read it at any moment)."""
         text = self.config_path.read_text()
@@ -166,6 +188,10 @@ class ManagedModel:
     def settle(self) -> str | None:
         """Make the policy and the link agree with the state file (an interrupted rollout leaves two
         versions in the policy, or the link on a version that never went live); what was repaired, or None."""
+        with self.locked():
+            return self._settle()
+
+    def _settle(self) -> str | None:
         live = self.live_version
         repaired = []
         if self.loaded_versions() != [live]:
@@ -178,15 +204,28 @@ class ManagedModel:
 
     def prune(self, keep: int) -> list[int]:
         """Delete the oldest versions beyond `keep`, never the live one, the rollback target nor the newest
-        (just built, not rolled out yet): so up to three may stay whatever `keep` says."""
-        state = self.state()
-        versions = self.versions()
-        protected = {state["live"], state["previous"], max(versions, default=None)}
-        removable = [v for v in versions if v not in protected]
-        excess = len(versions) - max(keep, 1)
-        removed = removable[:max(excess, 0)]
-        for version in removed:
-            shutil.rmtree(self.version_dir(version))
+        (just built, not rolled out yet): so up to three may stay whatever `keep` says. Nor any version the
+        version_policy or the `live` link names: a rollout in progress loads it (or is unloading it).
+
+        Under the model's lock, the versions chosen are renamed out of the way (`.pruned-N`: no longer a
+        version, for Triton or a rollout); the slow deletion runs after the lock is released."""
+        with self.locked():
+            state = self.state()
+            versions = self.versions()
+            protected = {state["live"], state["previous"], max(versions, default=None), self.live_link_target(),
+                         *self.loaded_versions()}
+            removable = [v for v in versions if v not in protected]
+            excess = len(versions) - max(keep, 1)
+            removed = removable[:max(excess, 0)]
+            doomed = []
+            for version in removed:
+                target = self.directory / f".pruned-{version}"
+                if target.exists():  # left by a prune that was interrupted
+                    shutil.rmtree(target)
+                self.version_dir(version).rename(target)
+                doomed.append(target)
+        for target in doomed:
+            shutil.rmtree(target, ignore_errors=True)
         return removed
 
 

@@ -403,9 +403,11 @@ def build_version(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if first:
-        # The state file last: it is what makes the model "managed" (model_store.managed_models).
-        model_store.write_atomically(model.config_path, config_text)
-        model.point_live_link(version)
-        model.commit(live=version, previous=None)
+        with model.locked():  # the model's edits, never beside a rollout's (model_store.py)
+            # The state file last: it is what makes the model "managed" (model_store.managed_models).
+            model_store.write_atomically(model.config_path, config_text)
+            model.point_live_link(version)
+            model.commit(live=version, previous=None)
+    # prune() takes the lock itself, and spares what a rollout in progress names.
     return VersionResult(name, version, final, model.live_version, model.prune(keep_versions))
 

@@ -7,9 +7,10 @@ grammar allows next. Three parts:
 * `GuideCompiler`, one per model (built in the glue's initialize() when `guided_decoding_backend` is
   "xgrammar"): xgrammar's tokenizer description of the model (`TokenizerInfo.from_huggingface`, sized to
   the model's logits), its grammar compiler, and a bounded LRU of compiled guides keyed by (type, guide).
-  `compile()` runs on Triton's thread in execute(), never on the engine thread; a guide xgrammar cannot
-  compile raises `GuideError` ("invalid guided_decoding_guide ..."), which the glue sends back as the
-  request's error.
+  The glue looks a request's guide up with `cached()` in execute(); an uncached one is compiled with
+  `compile()` on the threads of cpu_engine.guide_pool.GuidePool, never on Triton's thread nor on the engine
+  thread. A guide xgrammar cannot compile raises `GuideError` ("invalid guided_decoding_guide ..."), which
+  the glue sends back as the request's error.
 * `CompiledGuide`, what a GenerationRequest carries: the compiled grammar and the vocabulary filter that
   goes with it.
 * `GuideState`, one per running sequence: the grammar matcher. The scheduler keeps one bitmask row per
@@ -221,6 +222,17 @@ class GuideCompiler:
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(str(tokenizer_dir)), vocab_size, **kwargs)
+
+    def cached(self, guide_type: str | None, guide: str | None) -> CompiledGuide | None:
+        """The compiled guide for a request's (type, guide) inputs when the cache holds it (a hit), else None
+        (nothing counted, nothing compiled). Raises RequestError for inputs that do not name a guide."""
+        key = check_guide(guide_type, guide)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+            return compiled
 
     def compile(self, guide_type: str | None, guide: str | None) -> CompiledGuide:
         """The compiled guide for a request's (type, guide) inputs, from the cache when it was seen lately.

@@ -4,7 +4,9 @@
   come first served, for at most a bounded time; anything past that is refused at once (429 +
   Retry-After) instead of hanging. A stream holds its slot until it ends, however it ends.
 - `RateLimiter`: per key, a token bucket of requests per minute and one of tokens per minute. A request
-  reserves prompt + max_tokens up front and gives back what it did not use when it ends.
+  reserves prompt + max_tokens up front (`tokens_to_reserve`: at most the bucket's capacity when max_tokens
+  was left to default; a 400 when the client's own max_tokens can never fit) and, when it ends, is charged
+  what it used if it ran and nothing if it was refused (`tokens_to_charge`).
 
 Pure asyncio and arithmetic, with the clock injected, so they are unit-tested without servers.
 """
@@ -29,6 +31,17 @@ class Rejected(Exception):
         self.reason = reason
         self.message = message
         self.retry_after_s = retry_after_s
+
+
+class NeverFits(Exception):
+    """A request that needs more tokens than its key's tokens-per-minute bucket can ever hold: waiting never
+    helps, so it is the client's mistake (a 400 naming `param`, "max_tokens" or "prompt"), not a 429 that an
+    SDK would retry until it gives up."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.message = message
+        self.param = param
 
 
 # ----- rate limits ------------------------------------------------------------------------------------
@@ -67,12 +80,66 @@ class TokenBucket:
         self._refill()
         self._tokens = min(self.capacity, self._tokens + max(0.0, n))
 
+    def charge(self, n: float) -> None:
+        """Take `n` tokens even past empty: tokens used beyond a reservation are a debt that the key's next
+        requests wait out, so that the rate holds over time."""
+        self._refill()
+        self._tokens -= max(0.0, n)
+
 
 @dataclass
 class TokenReservation:
     key: str
     reserved: int
     settled: bool = False
+
+
+@dataclass(frozen=True)
+class TokenDemand:
+    """What a generation request may use: its prompt tokens (counted once, as usage counts them) and the
+    most it may generate (its engine requests' max_tokens together)."""
+
+    prompt: int
+    completion: int
+    engine_requests: int = 1
+    max_tokens_given: bool = True  # False: max_tokens defaulted to the rest of the context
+
+
+def tokens_to_reserve(demand: TokenDemand, capacity: int) -> int:
+    """The tokens to reserve up front from a bucket of `capacity` tokens per minute.
+
+    prompt + max_tokens when that fits the bucket. When the client left max_tokens to default (the rest of
+    the context, as the openai SDKs do by default), the reservation is capped at the capacity: such a
+    request must be able to run under a limit below the context length, and whatever it then uses beyond
+    its reservation is charged as a debt when it ends (`RateLimiter.settle`). A client that set max_tokens
+    itself asked for more than the limit can ever allow: NeverFits (400, naming max_tokens and the largest
+    that fits). So is a prompt that leaves no room for one generated token per engine request."""
+    whole = demand.prompt + demand.completion
+    if whole <= capacity:
+        return whole
+    requests = max(1, demand.engine_requests)
+    if demand.prompt + requests > capacity:
+        raise NeverFits(f"Request too large: its prompt has {demand.prompt} tokens, which with at least one "
+                        f"generated token per generation ({requests}) is more than this API key's limit of "
+                        f"{capacity} tokens per minute, so it could never run. Shorten the prompt.", "prompt")
+    if not demand.max_tokens_given:
+        return capacity
+    per_request = f"max_tokens {demand.completion // requests}" + (f" x {requests} generations" if requests > 1 else "")
+    raise NeverFits(f"Request too large: it may use {whole} tokens ({demand.prompt} in the prompt + {per_request}), "
+                    f"more than this API key's limit of {capacity} tokens per minute, so it could never run. "
+                    f"Lower max_tokens to at most {(capacity - demand.prompt) // requests}.", "max_tokens")
+
+
+def tokens_to_charge(admitted: bool, status: int, prompt_tokens: int, completion_tokens: int) -> int:
+    """What a request that has ended costs its key: prompt + generated tokens if it ran, else nothing.
+
+    It ran if it was admitted and the engine worked on it: it generated tokens, or the response succeeded.
+    A request refused anywhere on the way (a 400, admission's queue_full or queue_timeout, the engine's 429
+    queue full or 503 unavailable, before any token) never ran: a client retrying refusals must not burn
+    its budget on work that was never done."""
+    if not admitted or not (completion_tokens > 0 or 200 <= status < 300):
+        return 0
+    return prompt_tokens + completion_tokens
 
 
 class RateLimiter:
@@ -101,15 +168,21 @@ class RateLimiter:
             raise Rejected("requests_per_minute", f"Rate limit reached: {self.rpm} requests per minute for "
                                                   "this API key. Please retry later.", wait)
 
+    def reserve(self, key: str, demand: TokenDemand) -> TokenReservation:
+        """Reserve what `demand` may use (`tokens_to_reserve`): NeverFits, or Rejected (429) while the
+        bucket does not hold it yet."""
+        if self.tpm <= 0:
+            return TokenReservation(key, 0)
+        return self.reserve_tokens(key, tokens_to_reserve(demand, self.tpm))
+
     def reserve_tokens(self, key: str, tokens: int) -> TokenReservation:
         if self.tpm <= 0:
             return TokenReservation(key, 0)
         wait = self._bucket(self._tokens, key, self.tpm).take(tokens)
         if math.isinf(wait):
-            raise Rejected("tokens_per_minute", f"Request too large: it may use {tokens} tokens (prompt + "
-                                                f"max_tokens), above the limit of {self.tpm} tokens per minute "
-                                                "for this API key. Lower max_tokens or shorten the prompt.",
-                           self.RETRY_AFTER_MAX_S)
+            raise NeverFits(f"Request too large: it may use {tokens} tokens (prompt + max_tokens), more than "
+                            f"this API key's limit of {self.tpm} tokens per minute, so it could never run. "
+                            "Lower max_tokens or shorten the prompt.", "max_tokens")
         if wait > 0:
             raise Rejected("tokens_per_minute", f"Rate limit reached: {self.tpm} tokens per minute for this "
                                                 f"API key; this request needs {tokens} (prompt + max_tokens). "
@@ -117,13 +190,18 @@ class RateLimiter:
         return TokenReservation(key, tokens)
 
     def settle(self, reservation: TokenReservation, used: int) -> None:
-        """Give back what a request reserved but did not use (once)."""
+        """Once, when the request has ended: give back what it reserved but did not use (all of it when it
+        never ran, `tokens_to_charge`), or take what it used beyond its reservation (max_tokens defaulted,
+        the reservation capped at the capacity) as a debt."""
         if reservation.settled or reservation.reserved <= 0:
             return
         reservation.settled = True
         unused = reservation.reserved - max(0, used)
+        bucket = self._bucket(self._tokens, reservation.key, self.tpm)
         if unused > 0:
-            self._bucket(self._tokens, reservation.key, self.tpm).give_back(unused)
+            bucket.give_back(unused)
+        elif unused < 0:
+            bucket.charge(-unused)
 
 
 # ----- concurrency ------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = TritonEngine(settings.triton_grpc_url, settings.engine_model, settings.preprocessing_model,
-                              settings.triton_timeout_s)
+                              settings.triton_timeout_s, control_key=settings.triton_control_key(),
+                              stall_probe_s=settings.engine_stall_probe_s)
         app.state.settings = settings
         app.state.models = ModelRegistry(settings, engine)
         app.state.rollouts = Rollouts(app.state.models, engine, settings.rollout_grace_s)

@@ -1,12 +1,18 @@
 """Prometheus metrics of the frontend, served at GET /metrics (prometheus-client text format).
 
 One registry per app (not the global one), so several apps in one process do not collide. Triton's own
-metrics (`nv_inference_*`, and the CPU engine's `cpu_engine_*` gauges) are on Triton's metrics port.
+metrics (`nv_inference_*`, and the CPU engine's `cpu_engine_*` gauges) are on Triton's metrics port; with
+`triton_metrics_url` set, GET /metrics relays them after the frontend's own (`TritonMetrics`, cached), so
+that one port carries the engine's gauges (Kubernetes: Triton listens on the pod's loopback only).
 """
 
 from __future__ import annotations
 
+import asyncio
+import http.client
+import re
 import time
+import urllib.request
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -42,9 +48,101 @@ class Metrics:
                              "token, after the first", ["route"], buckets=TOKEN_BUCKETS, registry=r)
         self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "generation requests holding a slot", registry=r)
         self.queued = Gauge(f"{PREFIX}_requests_queued", "generation requests waiting for a slot", registry=r)
+        # The endpoint picker's queue signal (deploy/kubernetes/base/endpoint-picker.yaml): its metric spec
+        # names one series, and a request queued here waits as surely as one queued in the engine.
+        self.waiting = Gauge(f"{PREFIX}_requests_waiting", "requests waiting to run: queued here for a slot "
+                             "(requests_queued) plus waiting in the engine (Triton's nv_trt_llm_request_metrics"
+                             "{request_type=waiting} or cpu_engine_requests_waiting, as last fetched; that part "
+                             "is 0 without triton_metrics_url)", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# Triton's gauges of requests waiting in the engine: (family, labels a sample must have), per engine.
+ENGINE_WAITING = (("nv_trt_llm_request_metrics", {"request_type": "waiting"}),  # TensorRT-LLM backend
+                  ("cpu_engine_requests_waiting", {}))  # the CPU engine
+_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def engine_waiting(text: str) -> float:
+    """Requests waiting in the engine according to Triton's metrics text: the samples of ENGINE_WAITING,
+    summed (every model and version Triton serves)."""
+    total = 0.0
+    prefixes = tuple(name for name, _ in ENGINE_WAITING)
+    for line in text.splitlines():
+        if not line.startswith(prefixes):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        for name, labels in ENGINE_WAITING:
+            if match.group(1) == name and labels.items() <= dict(_LABEL.findall(match.group(2) or "")).items():
+                try:
+                    total += float(match.group(3))
+                except ValueError:
+                    pass
+    return total
+
+
+class TritonMetrics:
+    """Triton's metrics text (nv_*, cpu_engine_*), relayed after the frontend's own on GET /metrics; the two
+    sets share no family name.
+
+    Fetched from `url` (on loopback) in a worker thread, never on the event loop, and reused for `max_age_s`:
+    however many scrapers there are (the endpoint picker, Prometheus) and however often they come, Triton is
+    asked at most about once per `max_age_s`, and scrapes that find the text stale while a fetch is under way
+    wait for that one fetch instead of starting their own. Triton itself refreshes most of its gauges only
+    every 2 s (--metrics-interval-ms). While Triton does not answer: a comment saying so (reused likewise).
+    """
+
+    def __init__(self, url: str | None, timeout_s: float, max_age_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.url = url
+        self.timeout_s = timeout_s
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._text = b""
+        self._fetched_at: float | None = None
+        self._fetching: asyncio.Future[None] | None = None
+        self.engine_waiting = 0.0  # from the last text fetched (ENGINE_WAITING)
+        self.fetches = 0
+
+    async def text(self) -> bytes:
+        if self.url is None:
+            return b""
+        if self._fetched_at is not None and self._clock() - self._fetched_at < self.max_age_s:
+            return self._text
+        if self._fetching is None:
+            self._fetching = asyncio.ensure_future(self._refresh())
+        await asyncio.shield(self._fetching)  # a scraper that goes away does not cancel the others' fetch
+        return self._text
+
+    async def _refresh(self) -> None:
+        try:
+            self._text, self.engine_waiting = await asyncio.to_thread(self._fetch)
+            self._fetched_at = self._clock()
+        finally:
+            self._fetching = None
+
+    def _fetch(self) -> tuple[bytes, float]:
+        """In a worker thread: the text and the engine's waiting count read from it."""
+        assert self.url is not None
+        self.fetches += 1
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout_s) as response:
+                text = response.read()
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            return f"# Triton's metrics at {self.url} are unavailable: {type(exc).__name__}\n".encode(), 0.0
+        return text, engine_waiting(text.decode("utf-8", "replace"))
+
+
+async def exposition(metrics: Metrics, triton: TritonMetrics) -> bytes:
+    """GET /metrics: the frontend's metrics, then Triton's. Triton's are fetched (or taken from the cache)
+    first: the requests_waiting gauge adds the engine's waiting count read from them."""
+    engine = await triton.text()
+    return metrics.render() + engine
 
 
 class TokenTiming:

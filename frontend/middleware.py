@@ -6,8 +6,8 @@ max_tokens and how many engine requests it starts).
 
 Order for a generation request (POST /v1/chat/completions, /v1/completions):
   draining? 503 -> API key? 401 -> body over the limit? 413, not arrived in time? 408 -> requests/min? 429
-  -> the route: tokens/min reserved (429), then one admission slot per engine request (bounded queue,
-  bounded wait: 429)
+  -> the route: tokens/min reserved (429; 400 if it never fits), then one admission slot per engine
+  request (bounded queue, bounded wait: 429)
 and the slots are held until the response has been sent in full, a stream until its last byte (or until
 the client went away). The deadline counts from arrival. Health endpoints are always open; /metrics is
 open unless `metrics_require_key`.
@@ -19,7 +19,6 @@ import asyncio
 import logging
 import re
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -29,12 +28,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend import access_log
 from frontend.admin import ADMIN_PREFIX
-from frontend.admission import AdmissionGate, RateLimiter, Rejected, TokenReservation
+from frontend.admission import (AdmissionGate, NeverFits, RateLimiter, Rejected, TokenDemand, TokenReservation,
+                                tokens_to_charge)
 from frontend.auth import ANONYMOUS, KeyStore, bearer_token
 from frontend.deadlines import Deadline, Deadlines
 from frontend.errors import (OpenAIError, invalid_api_key, invalid_request, payload_too_large, service_unavailable,
                              too_many_requests)
-from frontend.metrics import CONTENT_TYPE_LATEST, Metrics, TokenTiming
+from frontend.metrics import CONTENT_TYPE_LATEST, Metrics, TokenTiming, TritonMetrics, exposition
 from frontend.serving import TextDelta, UsageCounter
 from frontend.settings import Settings
 
@@ -120,12 +120,17 @@ class RequestContext:
         self.admitted_slots, self.admitted_at = slots, time.monotonic()
         edge.metrics.queue_time.labels(self.route).observe(self.queue_s)
 
-    def reserve_tokens(self, tokens: int) -> None:
-        """Tokens per minute: reserve prompt + max_tokens now (429 if over), settled at the end."""
+    def reserve_tokens(self, demand: TokenDemand, prompt_param: str) -> None:
+        """Tokens per minute: reserve what the request may use now (429 while the key's bucket does not hold
+        it yet, 400 if it never can), settled at the end with what it was charged (`tokens_to_charge`)."""
         if self.edge is None:
             return
         try:
-            self.reservation = self.edge.limiter.reserve_tokens(self.key_id, tokens)
+            self.reservation = self.edge.limiter.reserve(self.key_id, demand)
+        except NeverFits as exc:
+            self.edge.metrics.rejected.labels("tokens_per_minute").inc()
+            raise invalid_request(exc.message, prompt_param if exc.param == "prompt" else exc.param,
+                                  "tokens_per_minute_exceeded") from None
         except Rejected as exc:
             self.edge.metrics.rejected.labels(exc.reason).inc()
             raise too_many_requests(exc.message, exc.retry_after_s, "tokens", "rate_limit_exceeded") from None
@@ -175,6 +180,10 @@ class Edge:
         self.metrics = Metrics()
         self.metrics.in_flight.set_function(lambda: self.gate.in_flight)
         self.metrics.queued.set_function(lambda: self.gate.queued)
+        # Triton's metrics, relayed on GET /metrics (cached; frontend/metrics.py).
+        self.triton_metrics = TritonMetrics(settings.triton_metrics_url, settings.triton_timeout_s,
+                                            settings.triton_metrics_cache_s)
+        self.metrics.waiting.set_function(lambda: self.gate.queued + self.triton_metrics.engine_waiting)
         self.deadlines = Deadlines()
         self.draining = False
 
@@ -208,22 +217,6 @@ class Edge:
                 raise invalid_request("X-Request-Timeout must be a positive number of seconds", "X-Request-Timeout")
             timeout = min(timeout, asked)
         return timeout
-
-
-async def engine_metrics(url: str | None, timeout_s: float) -> bytes:
-    """Triton's metrics text (nv_*, cpu_engine_*), to follow the frontend's own on GET /metrics; the two sets
-    share no family name. While Triton does not answer: a comment saying so, and the frontend's alone."""
-    if url is None:
-        return b""
-
-    def fetch() -> bytes:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.read()
-
-    try:
-        return await asyncio.to_thread(fetch)
-    except (OSError, ValueError) as exc:
-        return f"# Triton's metrics at {url} are unavailable: {type(exc).__name__}\n".encode()
 
 
 class _BodyTooLarge(Exception):
@@ -322,7 +315,7 @@ class EdgeMiddleware:
                     else "Incorrect API key provided."))
             ctx.key_id = key_id
         if is_metrics and scope.get("method") in ("GET", "HEAD"):
-            body = edge.metrics.render() + await engine_metrics(settings.triton_metrics_url, settings.triton_timeout_s)
+            body = await exposition(edge.metrics, edge.triton_metrics)
             await Response(body, media_type=CONTENT_TYPE_LATEST)(scope, receive, send)
             return
         generation = path in GENERATION_PATHS and scope.get("method") == "POST"
@@ -366,8 +359,9 @@ class EdgeMiddleware:
             release()
         duration = time.monotonic() - ctx.started
         status = ctx.status or 500
-        if ctx.reservation is not None:
-            edge.limiter.settle(ctx.reservation, ctx.prompt_tokens + ctx.completion_tokens)
+        if ctx.reservation is not None:  # refused requests (never admitted, or the engine said no) cost nothing
+            edge.limiter.settle(ctx.reservation, tokens_to_charge(ctx.admitted_slots > 0, status, ctx.prompt_tokens,
+                                                                  ctx.completion_tokens))
         finish = ctx.finish_reason
         if finish is None and ctx.route in GENERATION_PATHS:
             if status == 200:

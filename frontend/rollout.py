@@ -7,7 +7,9 @@ A rollout to version N of a model whose live version is L (build_engine/model_st
   3. requests that picked L finish on it, for at most `rollout_grace_s`;
   4. the state file records N as live and L as the rollback target, and the policy becomes [N]: Triton
      unloads L (requests still on it past the grace period end with an error).
-A rollback is a rollout to the recorded previous version. One rollout per model at a time.
+A rollback is a rollout to the recorded previous version. One rollout per model at a time. Each edit of the
+policy, link and state holds the model's lock (model_store.ManagedModel.locked), which a build's prune takes
+too: a version named in the policy is never pruned, so N cannot vanish while it loads.
 """
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ class Rollouts:
             if not drained:
                 log.warning("model %s: %d request(s) still on version %d after %.0f s; unloading it anyway",
                             name, old.engine.leases, live, self._grace_s)
-        model.commit(live=target, previous=live)
-        model.set_loaded([target])
+        with model.locked():  # beside no build's prune: `live` becomes the rollback target, kept
+            model.commit(live=target, previous=live)
+            model.set_loaded([target])
         try:
             await self._triton.load_model(name)  # unloads the old version
         except InferenceServerException as exc:  # version `target` serves; the old one may linger loaded
@@ -104,8 +107,13 @@ class Rollouts:
     async def _load_beside(self, model: model_store.ManagedModel, live: int, target: int) -> ModelContext:
         """Load `target` next to `live` and its context; on any failure, put everything back as it was."""
         name = model.name
-        model.set_loaded([live, target])
-        model.point_live_link(target)
+        # Under the model's lock (a build may be pruning): once the policy names `target`, no prune deletes it.
+        with model.locked():
+            if target not in model.versions():
+                raise OpenAIError(404, f"model '{name}' has no version {target} on disk any more",
+                                  "invalid_request_error", "version", "version_not_found")
+            model.set_loaded([live, target])
+            model.point_live_link(target)
         try:
             await self._triton.load_model(name)
             if not await self._triton.is_ready(name, str(target)):
@@ -114,8 +122,9 @@ class Rollouts:
         except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, RuntimeError,
                 KeyError, ValueError) as exc:
             reason = client_message(exc.message() if isinstance(exc, InferenceServerException) else str(exc))
-            model.set_loaded([live])
-            model.point_live_link(live)
+            with model.locked():
+                model.set_loaded([live])
+                model.point_live_link(live)
             try:
                 await self._triton.load_model(name)  # unloads `target` if it did load
             except InferenceServerException:

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, Request
 
+from frontend.admission import TokenDemand
 from frontend.engine import Guide
-from frontend.errors import invalid_request, service_unavailable
+from frontend.errors import OpenAIError, invalid_request, service_unavailable
+from frontend.json_body import OffLoopJSONRoute, parsed_json
 from frontend.middleware import RequestContext
 from frontend.model_context import ModelContext
 from frontend.renderers import ChatRenderer, CompletionRenderer
 from frontend.responses import GenerationResponse
-from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, ModelCard,
-                              ModelList, SamplingFields, TokenizeRequest, now)
-from frontend.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs
+from frontend.schemas import (MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                              ModelCard, ModelList, SamplingFields, TokenizeRequest, now, raw_prompts)
+from frontend.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs, resolve_max_tokens
 from frontend.structured import answer_parsing, chat_guide, extension_guide
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopJSONRoute)  # large JSON bodies are parsed off the event loop
 T = TypeVar("T")
 
 
@@ -125,9 +128,44 @@ def check_top_logprobs(top_logprobs: int | None, context: ModelContext, param: s
 
 
 def check_token_ids(ids: list[int], context: ModelContext, param: str) -> None:
+    """Ids in the model's vocabulary. The schema made them ints in [0, INT32_MAX], so the largest decides:
+    one pass at C speed, not a Python step per id (a prompt may be as long as the context)."""
     vocab = context.tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in ids):
+    if ids and max(ids) >= vocab:
         raise invalid_request(f"token ids must be in [0, {vocab})", param)
+
+
+async def context_length_for(request: Request, model: Any) -> int | None:
+    """Before the body is validated: the context length of the model it names, or, if it names none this
+    server serves (the route answers that once the body is valid), the longest of the served models'.
+    None while no model can be loaded. Takes no lease."""
+    registry = request.app.state.models
+    if isinstance(model, str):
+        with contextlib.suppress(OpenAIError):
+            return (await registry.get(model)).context_length
+    with contextlib.suppress(OpenAIError):
+        return max((context.context_length for context in await registry.all()), default=None)
+    return None
+
+
+async def token_prompts_fit(request: Request) -> None:
+    """Refuse, by their lengths alone and before the body is validated, prompts that could never run: more
+    than a request may start, or token ids more than MAX_PROMPT_TOKENS or the model's context holds.
+    Validation costs per id (in pydantic, holding the GIL, on the event loop): a 4 MB body of two million
+    ids must be a 400 at once, not a stall of every open stream. FastAPI has parsed the body (off the loop,
+    json_body.py) before it solves this dependency, and validates it after."""
+    body = parsed_json(request)
+    prompts = raw_prompts(body)
+    if not prompts:
+        return
+    n = body.get("n")
+    n = n if type(n) is int and 1 <= n <= MAX_N else 1
+    limits(request).check_choices(n, len(prompts), "prompt")
+    token_prompts = [p for p in prompts if isinstance(p, list)]
+    limits(request).check_prompts(token_prompts, "prompt")
+    context_length = await context_length_for(request, body.get("model")) if token_prompts else None
+    if context_length is not None:  # no room left for one token: the route's own 400
+        resolve_max_tokens(max(map(len, token_prompts)), None, context_length, "prompt")
 
 
 # ----- generation ----------------------------------------------------------------------------------
@@ -141,14 +179,16 @@ async def new_generation(request: Request, req: SamplingFields, context: ModelCo
                          top_logprobs: int | None, prompt_param: str, guide: Guide | None = None,
                          parsing: AnswerParsing = AnswerParsing()) -> Generation:
     """The serving layer's Generation for this request, after the checks that need no engine (limits,
-    context length), the tokens-per-minute reservation (prompt + the most it may generate), and admission
-    (one slot per engine request)."""
+    context length), the tokens-per-minute reservation (prompt + the most it may generate, see
+    admission.tokens_to_reserve), and admission (one slot per engine request)."""
     limits(request).check_prompts(prompts, prompt_param)
     jobs = choice_jobs(req, prompts, context.context_length, context.tokenizer, top_logprobs, prompt_param, guide)
     ctx = request_context(request)
     generation = Generation(context.engine, context.tokenizer, jobs, req.stop_strings,
                             sum(len(p) for p in prompts), ctx, parsing)
-    ctx.reserve_tokens(generation.usage.prompt_tokens + sum(job.request.options.max_tokens for job in jobs))
+    demand = TokenDemand(generation.usage.prompt_tokens, sum(job.request.options.max_tokens for job in jobs),
+                         len(jobs), max_tokens_given=req.requested_max_tokens is not None)
+    ctx.reserve_tokens(demand, prompt_param)
     ctx.prompt_tokens, ctx.usage = generation.usage.prompt_tokens, generation.usage
     if request.app.state.settings.log_prompts:
         ctx.prompt_text = [await off_loop(request, context.tokenizer.decode, p) for p in prompts]
@@ -176,7 +216,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Gene
                               request_id=request_context(request).request_id)
 
 
-@router.post("/v1/completions", dependencies=[Depends(rate_limited)])
+@router.post("/v1/completions", dependencies=[Depends(rate_limited), Depends(token_prompts_fit)])
 async def completions(req: CompletionRequest, request: Request) -> GenerationResponse:
     limits(request).check_choices(req.n, len(req.prompts), "prompt")
     limits(request).check_stops(req.stop_strings)

@@ -358,6 +358,32 @@ def _out_of_int32(token: Any) -> bool:
     return not 0 <= token <= INT32_MAX
 
 
+def _outside_int32_at(ids: list[Any]) -> int | None:
+    """The index of an id outside [0, INT32_MAX] (`_out_of_int32`) in a list of would-be token ids, or None.
+    For a list of numbers (the usual case) that is min and max at C speed, not a Python step per id: a
+    prompt may hold as many ids as the model's context. Only a list of mixed types (which pydantic refuses
+    anyway) is looked at item by item."""
+    try:
+        extremes = (min(ids), max(ids))
+    except (TypeError, ValueError):  # types that do not compare (pydantic names them), or empty
+        return next((j for j, token in enumerate(ids) if _out_of_int32(token)), None)
+    for extreme in extremes:
+        if _out_of_int32(extreme):
+            return ids.index(extreme)
+    return None
+
+
+def raw_prompts(body: Any) -> list[Any]:
+    """The prompts of a /v1/completions body as parsed JSON, before it is validated, told apart by the first
+    item as `CompletionRequest.prompts` does: a list of token ids is one prompt, a list of texts or of
+    token-id lists is several. [] for a text prompt or anything else. O(1), for the checks by length alone
+    that come before validation (routes.token_prompts_fit)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(prompt, list) or not prompt:
+        return []
+    return prompt if isinstance(prompt[0], (str, list)) else [prompt]
+
+
 class CompletionRequest(GuidedFields):
     prompt: ClientStr | list[TokenId] | list[ClientStr] | list[list[TokenId]]
     echo: bool = False
@@ -370,14 +396,23 @@ class CompletionRequest(GuidedFields):
     @classmethod
     def _token_ids_fit(cls, value: Any) -> Any:
         """Token ids outside INT32 (or negative) named plainly, instead of pydantic's error for each of the
-        four shapes of the union; whether an id is in the vocabulary is the route's check."""
-        if isinstance(value, list):
+        four shapes of the union; whether an id is in the vocabulary is the route's check. No Python step
+        per id (`_outside_int32_at`); a step per prompt of a list of prompts, which the route bounds by
+        their number before the body is validated."""
+        if not isinstance(value, list) or not value:
+            return value
+        if not isinstance(value[0], list):  # one prompt of token ids (or texts)
+            at = _outside_int32_at(value)
+            where = None if at is None else f"prompt.{at}"
+        else:
+            where = None
             for i, item in enumerate(value):
-                for j, token in enumerate(item if isinstance(item, list) else [item]):
-                    if _out_of_int32(token):
-                        where = f"prompt.{i}.{j}" if isinstance(item, list) else f"prompt.{i}"
-                        raise invalid_request(f"{where}: token ids must be integers in [0, {INT32_MAX}]",
-                                              "prompt")
+                at = _outside_int32_at(item) if isinstance(item, list) else (0 if _out_of_int32(item) else None)
+                if at is not None:
+                    where = f"prompt.{i}.{at}" if isinstance(item, list) else f"prompt.{i}"
+                    break
+        if where is not None:
+            raise invalid_request(f"{where}: token ids must be integers in [0, {INT32_MAX}]", "prompt")
         return value
 
     @model_validator(mode="after")

@@ -43,6 +43,17 @@ class Settings(BaseSettings):
         None, description="Triton's metrics (http://127.0.0.1:8002/metrics): when set, GET /metrics serves them "
                           "after the frontend's own, so one port carries the engine's queue and KV-cache gauges "
                           "and Triton's ports can stay inside the host or pod")
+    triton_metrics_cache_s: float = Field(
+        1.0, ge=0, description="how long GET /metrics reuses Triton's metrics text before fetching it again (one "
+                               "fetch at a time, whatever the number of scrapers; Triton refreshes its gauges "
+                               "every 2 s); 0: fetch on every scrape")
+    triton_control_key_file: Path | None = Field(
+        None, description="file holding the key Triton's control API (model load/unload) asks for; `make serve` "
+                          "makes one per launch (launcher/tritonserver.py); needed for rollouts")
+    engine_stall_probe_s: float = Field(
+        2.0, gt=0, description="a stream that has heard nothing from the engine this long makes the frontend probe "
+                               "the engine model; if its process is dead, every stream on it ends with an error "
+                               "at once instead of hanging")
     engine_model: str = Field("tensorrt_llm", description="Triton model that runs the engine")
     preprocessing_model: str = Field("preprocessing", description="Triton model whose config names the tokenizer")
     model_repository: Path | None = Field(
@@ -149,3 +160,10 @@ class Settings(BaseSettings):
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile must be given together")
         return self
+
+    def triton_control_key(self) -> str | None:
+        """The key from `triton_control_key_file` (read when the engine client is made, never logged)."""
+        if self.triton_control_key_file is None:
+            return None
+        key = self.triton_control_key_file.read_text(encoding="utf-8").strip()
+        return key or None

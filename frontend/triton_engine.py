@@ -9,8 +9,13 @@ which the engine sees at its next step.
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 import numpy as np
@@ -55,6 +60,11 @@ ENGINE_CLIENT_ERRORS = (
 CLIENT_ERROR_STATUSES = ("INVALID_ARGUMENT", "INVALID_ARG")
 # A dead engine refuses every request with a message that may quote anything (its exception): never a 400.
 ENGINE_FAILURES = ("the engine failed", "the engine has failed")
+# How a failed engine refuses new requests (cpu_engine/engine.py EngineFailedError) until its glue has taken
+# the model out of service (Triton then says "unknown model", a 503 too): the engine is unavailable, the
+# request never ran and may be retried (another replica, a restarted engine), so a 503 and not a 500. A
+# request the engine was running when it failed ("the engine failed and cannot serve requests") stays a 500.
+ENGINE_UNAVAILABLE = ("the engine has failed and accepts no requests",)
 MAX_ENGINE_MESSAGE = 500  # characters of an engine message passed on to clients
 # A full queue: the CPU engine's (cpu_engine/engine.py QueueFullError) or Triton's own (dynamic batcher).
 QUEUE_FULL = ("queue is full", "Exceeds maximum queue size")
@@ -84,11 +94,14 @@ def client_message(message: str | None) -> str:
 
 
 def error_for(error: InferenceServerException, engine_model: str) -> OpenAIError:
-    """The OpenAI error for an engine's error response: 503 when the model is not loaded, 429 when its
-    queue is full (the client may retry), 400 when it refused what the client sent, else 500."""
+    """The OpenAI error for an engine's error response: 503 when the model is not loaded or the engine has
+    failed and refuses new requests, 429 when its queue is full (the client may retry), 400 when it refused
+    what the client sent, else 500."""
     message = error.message() or ""
     if _model_gone(error):
         return service_unavailable(f"the engine model {engine_model!r} is not loaded")
+    if any(words in message for words in ENGINE_UNAVAILABLE):
+        return service_unavailable(f"the engine is unavailable: {client_message(message)}")
     if any(words in message for words in QUEUE_FULL):
         return too_many_requests(f"The engine is at capacity: {client_message(message)}", ENGINE_RETRY_AFTER_S)
     if is_client_error(error):
@@ -197,12 +210,89 @@ def _new_log_probs(result: grpcclient.InferResult, count: int) -> list[float] | 
 
 
 def _top_alternatives(result: grpcclient.InferResult, count: int) -> list[list[tuple[int, float]]] | None:
+    """Each new token's alternatives, best first. The tensors are k wide for every token, but a step may have
+    fewer real alternatives (under a guide, where the grammar allows fewer than k tokens): the engine pads
+    the row with -inf log-probs (the CPU engine with id 0), which are no alternatives at all and would reach
+    clients as `logprob: null`. Only finite entries are kept, so a row may hold fewer than k."""
     ids = result.as_numpy("output_top_log_prob_ids")
     values = result.as_numpy("output_top_log_probs")
     if ids is None or values is None:
         return None
-    ids, values = ids.reshape(count, -1).tolist(), values.reshape(count, -1).tolist()
-    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]
+    ids, values = ids.reshape(count, -1), values.reshape(count, -1)
+    real = np.isfinite(values)
+    return [list(zip(row_ids[keep].tolist(), row_values[keep].tolist()))
+            for row_ids, row_values, keep in zip(ids, values, real)]
+
+
+# Triton's gRPC server asks for a restricted protocol's key under this name: `triton-grpc-protocol-` + the
+# header the launcher restricts the control API with (launcher/tritonserver.py CONTROL_HEADER).
+CONTROL_KEY_METADATA = "triton-grpc-protocol-triton-control-key"
+# The Python backend's answer for a model whose stub process is gone (killed, out of memory): the model stays
+# READY and its open streams get nothing more, ever (launcher/engine_health.py has the measurements).
+STUB_DEAD = "is not healthy"
+PROBE_TIMEOUT_S = 5.0
+
+
+def probe_inputs() -> list[grpcclient.InferInput]:
+    """A TensorRT-LLM `stop` request for an id nobody uses: both engines answer it at once without running
+    anything; only a dead stub answers STUB_DEAD. The inputs every request must carry come with it."""
+    def scalar(name: str, value: int | bool, dtype: type, datatype: str) -> grpcclient.InferInput:
+        return _tensor(name, np.array([[value]], dtype=dtype), datatype)
+
+    return [scalar("input_ids", 0, np.int32, "INT32"), scalar("input_lengths", 1, np.int32, "INT32"),
+            scalar("request_output_len", 1, np.int32, "INT32"), scalar("streaming", True, np.bool_, "BOOL"),
+            scalar("stop", True, np.bool_, "BOOL")]
+
+
+@dataclass(eq=False)
+class _OpenStream:
+    model: str
+    version: str
+    call: Any  # the gRPC call, cancelled when the engine behind it is found dead
+    heard_at: float  # time.monotonic() of its last response (or of its start)
+    failure: OpenAIError | None = None  # why the watch cancelled it
+
+
+class StallWatch:
+    """Ends the streams of an engine model whose process died, instead of leaving them to hang.
+
+    Only streams that have heard nothing for `stall_s` cost anything: for each model with such a stream, one
+    probe (`probe_inputs`) at a time; a dead answer fails every stream open on that model version with a 503
+    at once. A probe that gets no answer proves nothing (a busy engine), so nothing is ended on a timeout.
+    """
+
+    def __init__(self, probe: Callable[[str, str], Awaitable[str | None]], stall_s: float) -> None:
+        self._probe = probe
+        self.stall_s = stall_s
+        self._streams: set[_OpenStream] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def open(self, stream: _OpenStream) -> None:
+        self._streams.add(stream)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    def close(self, stream: _OpenStream) -> None:
+        self._streams.discard(stream)
+
+    async def _watch(self) -> None:
+        try:
+            while self._streams:
+                await asyncio.sleep(self.stall_s / 2)
+                now = time.monotonic()
+                silent = {(s.model, s.version) for s in self._streams if now - s.heard_at >= self.stall_s}
+                for model, version in sorted(silent):
+                    dead = await self._probe(model, version)
+                    if dead is not None:
+                        self._fail(model, version, dead)
+        finally:
+            self._task = None
+
+    def _fail(self, model: str, version: str, reason: str) -> None:
+        for stream in [s for s in self._streams if (s.model, s.version) == (model, version)]:
+            stream.failure = service_unavailable(
+                f"the engine model {model!r} stopped serving ({client_message(reason)}); retry the request")
+            stream.call.cancel()
 
 
 class TritonEngine:
@@ -210,8 +300,10 @@ class TritonEngine:
     config and the preprocessing model's config for metadata."""
 
     def __init__(self, url: str, engine_model: str, preprocessing_model: str = "preprocessing",
-                 metadata_timeout_s: float = 5.0):
+                 metadata_timeout_s: float = 5.0, control_key: str | None = None, stall_probe_s: float = 2.0):
         self.url = url
+        self._control = {CONTROL_KEY_METADATA: control_key} if control_key else None
+        self._stalls = StallWatch(self.probe, stall_probe_s)
         self.engine_model = engine_model
         self.preprocessing_model = preprocessing_model
         self._timeout = metadata_timeout_s
@@ -238,7 +330,30 @@ class TritonEngine:
         """Ask Triton (explicit model control) to load `model` as its config on disk now says: versions the
         version_policy added are loaded, versions it dropped unloaded, the others left serving. Raises
         InferenceServerException with Triton's reason when a version fails to load."""
-        await self._client.load_model(model)
+        await self._client.load_model(model, headers=self._control)
+
+    async def probe(self, model: str, version: str = "") -> str | None:
+        """The engine's answer to `probe_inputs` when it says the model's process is gone (STUB_DEAD) or the
+        model is no longer loaded; None when it answered otherwise, or not within PROBE_TIMEOUT_S."""
+        async def one_request():
+            yield {"model_name": model, "model_version": version, "inputs": probe_inputs(),
+                   "request_id": f"health-probe-{uuid.uuid4().hex}"}
+
+        call = self._client.stream_infer(one_request())
+
+        async def first_error() -> str | None:
+            async for _, error in call:
+                if error is not None:
+                    message = error.message() or ""
+                    return message if STUB_DEAD in message or _model_gone(error) else None
+            return None
+
+        try:
+            return await asyncio.wait_for(first_error(), PROBE_TIMEOUT_S)
+        except (asyncio.TimeoutError, grpc.RpcError, InferenceServerException):
+            return None
+        finally:
+            call.cancel()
 
     async def _parameters(self, model: str) -> dict[str, str]:
         try:
@@ -283,12 +398,15 @@ class TritonEngine:
             call = self._client.stream_infer(one_request())
         except InferenceServerException as exc:
             raise service_unavailable("the inference server is unreachable") from exc
+        stream = _OpenStream(triton_request["model_name"], version, call, time.monotonic())
+        self._stalls.open(stream)
         finished = False
         # Only the outputs this request asked for are looked up (each lookup walks the response's outputs).
         want_log_probs = options.logprobs or bool(options.top_logprobs)
         want_top = bool(options.top_logprobs)
         try:
             async for result, error in call:
+                stream.heard_at = time.monotonic()
                 if error is not None:
                     raise _about_the_guide(error_for(error, model or self.engine_model), options)
                 token_ids = _new_tokens(result)
@@ -297,10 +415,19 @@ class TritonEngine:
                 count = len(token_ids)
                 yield TokenChunk(token_ids, _new_log_probs(result, count) if want_log_probs else None,
                                  _top_alternatives(result, count) if want_top else None)
+            if stream.failure is not None:  # a cancelled call may also just end
+                raise stream.failure
             finished = True
         except OpenAIError:
             raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if stream.failure is not None and not (task is not None and task.cancelling()):
+                raise stream.failure from None  # the watch cancelled the call, nobody cancelled this task
+            raise
         except (grpc.RpcError, InferenceServerException) as exc:
+            if stream.failure is not None:
+                raise stream.failure from exc
             if _is_unavailable(exc):
                 raise service_unavailable("lost the connection to the inference server") from exc
             if isinstance(exc, InferenceServerException) and is_client_error(exc):
@@ -308,5 +435,6 @@ class TritonEngine:
                                       code="invalid_engine_request") from exc
             raise engine_error("the inference server's stream failed") from exc
         finally:
+            self._stalls.close(stream)
             if not finished:
                 call.cancel()

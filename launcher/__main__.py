@@ -23,6 +23,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -33,9 +34,11 @@ from types import FrameType
 
 from build_engine import model_store
 from launcher.engine_check import check_model_repository, check_named_models
+from launcher.engine_health import EngineHealth, Problem
 from launcher.ports import PortInUseError, check_ports_free
 from launcher.supervise import RestartBudgetExceeded, Supervisor
-from launcher.tritonserver import TritonNotFoundError, TritonServer, TritonStartError, terminate_group
+from launcher.tritonserver import (TritonNotFoundError, TritonServer, TritonStartError, new_control_key,
+                                   terminate_group)
 
 FRONTEND_READY_TIMEOUT_S = 120.0
 FRONTEND_STOP_GRACE_S = 10.0  # after the frontend's own drain (SHUTDOWN_GRACE_S)
@@ -43,6 +46,8 @@ LEFTOVER_STOP_GRACE_S = 5.0  # what a crashed process left behind gets this long
 DEFAULT_MAX_RESTARTS_PER_MINUTE = 5
 POLL_S = 0.5
 ADMIN_KEY_FILE = "admin_api_key"
+CONTROL_KEY_FILE = "triton_control_key"  # this launch's key to Triton's control API (for the frontend's rollouts)
+HEALTH_PERIOD_S = 2.0  # how often the engine's health is checked (a probe request each time)
 ADMIN_TIMEOUT_S = 1800.0  # a rollout loads a version and waits for the old one to drain (ROLLOUT_GRACE_S)
 
 _frontend_pid: int | None = None  # where SIGHUP goes
@@ -77,11 +82,16 @@ class Config:
     shutdown_grace_s: float = 30.0
     max_restarts_per_minute: int = DEFAULT_MAX_RESTARTS_PER_MINUTE
     named_models: tuple[str, ...] = ()  # a repository of named models (make engine NAME=...): their names
+    engine_unhealthy_s: float = 10.0  # a model no longer loaded this long is loaded again
 
     @property
     def admin_key_file(self) -> Path:
         """The admin key `make serve` makes when none is configured; `make rollout` reads it."""
         return self.work_dir / ADMIN_KEY_FILE
+
+    @property
+    def control_key_file(self) -> Path:
+        return self.work_dir / CONTROL_KEY_FILE
 
     @property
     def triton_log(self) -> Path:
@@ -136,6 +146,7 @@ def load_config(args: argparse.Namespace) -> Config:
         shutdown_grace_s=_env_float("SHUTDOWN_GRACE_S", 30.0),
         max_restarts_per_minute=_max_restarts_per_minute(),
         named_models=named,
+        engine_unhealthy_s=_env_float("ENGINE_UNHEALTHY_S", 10.0),
     )
 
 
@@ -189,6 +200,7 @@ def start_frontend(cfg: Config) -> subprocess.Popen[bytes]:
         "TRITON_GRPC_URL": f"127.0.0.1:{cfg.grpc_port}",
         "TRITON_HTTP_URL": f"127.0.0.1:{cfg.http_port}",
         "TRITON_METRICS_URL": f"http://127.0.0.1:{cfg.metrics_port}/metrics",
+        "TRITON_CONTROL_KEY_FILE": str(cfg.control_key_file.resolve()),
         "ENGINE_MODEL": cfg.engine_model,
     }
     if cfg.named_models:
@@ -274,6 +286,16 @@ def served_model_id(cfg: Config) -> str:
 
 
 # ----- administration: the admin key, rollout and rollback ----------------------------------------------
+def write_secret(path: Path, secret: str) -> Path:
+    """`secret` in a file only this user can read, replacing any earlier one (made before it is written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(secret + "\n")
+    return path
+
+
 def ensure_admin_key(path: Path) -> Path:
     """A random admin key in a file only this user can read, made once: with it `make rollout` can talk to
     `make serve`, and nobody else can, without anyone having to choose a key."""
@@ -326,24 +348,43 @@ def administer(cfg: Config, name: str, action: str, version: int | None) -> int:
 
 # ----- supervision --------------------------------------------------------------------------------------
 class TritonProcess:
-    """tritonserver as a supervised child: a fresh TritonServer per start, on the same ports and log path.
+    """tritonserver as a supervised child: a fresh TritonServer per start, on the same ports and log path,
+    with this launch's control key (the frontend read it once).
 
     The log of the run before a restart moves to `tritonserver.log.1`, so the current log (and the tail the
     launcher prints when it gives up) is always the latest run's, and the crashed run's is still there.
+    Its health is whether its engine models serve (launcher/engine_health.py), checked every HEALTH_PERIOD_S.
     """
 
     name = "tritonserver"
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, control_key: str) -> None:
         self._cfg = cfg
+        self._control_key = control_key
         self.ready_timeout_s = cfg.triton_ready_timeout_s
+        self.unhealthy_grace_s = cfg.engine_unhealthy_s
         self.server = self._new_server()
         self._starts = 0
+        self._health = self._new_health()
+        self._checked_at = -HEALTH_PERIOD_S
+        self._last_problem: Problem | None = None
 
     def _new_server(self) -> TritonServer:
         cfg = self._cfg
         return TritonServer(cfg.model_repository, cfg.http_port, cfg.grpc_port, cfg.metrics_port,
-                            log_file=cfg.triton_log, work_dir=cfg.work_dir, model_name=cfg.engine_model)
+                            log_file=cfg.triton_log, work_dir=cfg.work_dir, model_name=cfg.engine_model,
+                            control_key=self._control_key)
+
+    def _new_health(self) -> EngineHealth:
+        """What this run of Triton serves starts empty: the models it loads join as they become ready."""
+        cfg = self._cfg
+        return EngineHealth(f"127.0.0.1:{cfg.grpc_port}", self._control_key, self._engine_models)
+
+    def _engine_models(self) -> list[str]:
+        """The models with the TensorRT-LLM interface: the named models on disk now (one built while serving
+        joins once rolled out), else the one engine model."""
+        named = [m.name for m in model_store.managed_models(self._cfg.model_repository)]
+        return named or [self._cfg.engine_model]
 
     @property
     def pid(self) -> int | None:
@@ -358,6 +399,8 @@ class TritonProcess:
             rotate_log(self._cfg.triton_log)
             self.server = self._new_server()
         self._starts += 1
+        self._health = self._new_health()
+        self._last_problem = None
         self.server.start()
 
     def stop(self) -> None:
@@ -365,6 +408,26 @@ class TritonProcess:
 
     def ready(self) -> bool:
         return self.server.is_ready()
+
+    def health(self) -> Problem | None:
+        now = time.monotonic()
+        if now - self._checked_at >= HEALTH_PERIOD_S:
+            self._checked_at = now
+            self._last_problem = self._health.check()
+        return self._last_problem
+
+    def repair(self, problem: Problem) -> None:
+        """Load the missing models again, from a thread: a load takes as long as the engine takes to load,
+        and the poll loop must keep watching the frontend (and Ctrl+C) meanwhile."""
+        health = self._health
+
+        def reload() -> None:
+            try:
+                health.reload(problem.missing)
+            except Exception as exc:  # the supervisor sees the model still missing and restarts Triton
+                print(f"launcher: reloading {', '.join(problem.missing)} failed: {exc}", file=sys.stderr, flush=True)
+
+        threading.Thread(target=reload, name="engine-reload", daemon=True).start()
 
     def failure_detail(self) -> str:
         return self.server.log_tail()
@@ -375,6 +438,7 @@ class FrontendProcess:
 
     name = "frontend"
     ready_timeout_s = FRONTEND_READY_TIMEOUT_S
+    unhealthy_grace_s = 0.0
 
     def __init__(self, cfg: Config) -> None:
         self._cfg = cfg
@@ -411,6 +475,13 @@ class FrontendProcess:
 
     def failure_detail(self) -> str:
         return "(the frontend's output is above)"
+
+    def health(self) -> Problem | None:
+        """Its liveness is its process (and /health/live after a restart); readiness is Triton's business."""
+        return None
+
+    def repair(self, problem: Problem) -> None:
+        raise AssertionError("the frontend reports no problems to repair")
 
 
 def rotate_log(path: Path) -> None:
@@ -460,7 +531,9 @@ def _forward_hup(_signum: int, _frame: FrameType | None) -> None:
 
 def serve(cfg: Config) -> int:
     preflight(cfg)
-    triton = TritonProcess(cfg)
+    control_key = new_control_key()  # per launch: Triton's restarts keep it, the frontend reads it from the file
+    write_secret(cfg.control_key_file, control_key)
+    triton = TritonProcess(cfg, control_key)
     frontend = FrontendProcess(cfg)
     try:
         triton.start()

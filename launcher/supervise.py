@@ -11,6 +11,13 @@ process wait `base * 2**k` seconds (k = its restarts within the last minute, cap
 would make more than `max_per_minute` restarts of that process within any 60 s ends supervision with the
 reason (RestartBudgetExceeded), so `make serve` exits non-zero with something to read.
 
+Why more than process exit: a process can be alive and still not serve. tritonserver outlives its engine
+(an engine-thread crash unloads the model; a killed Python-backend stub leaves a model that answers
+nothing: launcher/engine_health.py). A child may therefore report a `health()` problem. One that loading
+the model again can fix is given `unhealthy_grace_s` to clear by itself (a rollout's reload, say), then a
+reload (`repair()`, off the poll loop) and `ready_timeout_s` to take effect; one that cannot (a dead stub),
+or a reload that does not help, is a death like any other: restart, back-off, budget, log.
+
 Everything here is driven by `Supervisor.step()`, called from the launcher's poll loop, and a clock that
 tests replace; nothing sleeps, so a Ctrl+C is never held up by a back-off.
 """
@@ -24,6 +31,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
+
+from launcher.engine_health import Problem
 
 Clock = Callable[[], float]
 
@@ -42,10 +51,13 @@ class Child(Protocol):
     start() launches a fresh instance (the previous one was stopped); stop() ends the current instance and
     anything it spawned and is safe to call repeatedly; ready() is a quick non-blocking probe; failure_detail()
     is what to show when giving up (the Triton log tail; the frontend's output is already on the console).
+    health() says why a running child does not serve (None: it does); repair() starts fixing a reloadable
+    problem in the background and returns at once.
     """
 
     name: str
     ready_timeout_s: float
+    unhealthy_grace_s: float
 
     @property
     def pid(self) -> int | None: ...
@@ -59,6 +71,10 @@ class Child(Protocol):
     def ready(self) -> bool: ...
 
     def failure_detail(self) -> str: ...
+
+    def health(self) -> Problem | None: ...
+
+    def repair(self, problem: Problem) -> None: ...
 
 
 class RestartBudget:
@@ -118,9 +134,10 @@ class _Track:
 
     child: Child
     budget: RestartBudget
-    phase: Literal["running", "waiting", "starting"] = "running"
+    phase: Literal["running", "waiting", "starting", "repairing"] = "running"
     restart_at: float = 0.0
-    started_at: float = 0.0
+    started_at: float = 0.0  # of the restart or the repair under way
+    unhealthy_since: float | None = None
     restarts: int = 0  # since the launcher started, for the log lines
 
 
@@ -144,7 +161,8 @@ class Supervisor:
         ]
 
     def phase(self, name: str) -> str:
-        """'running', 'waiting' (back-off) or 'starting' (restarted, not ready yet); for tests and logs."""
+        """'running', 'waiting' (back-off), 'starting' (restarted, not ready yet) or 'repairing' (reloading
+        what it no longer serves); for tests and logs."""
         return self._track(name).phase
 
     def restarts(self, name: str) -> int:
@@ -178,12 +196,44 @@ class Supervisor:
             return
         if track.phase == "starting":
             if child.ready():
-                track.phase = "running"
+                track.phase, track.unhealthy_since = "running", None
                 self._log(f"launcher: {child.name} ready again, {self._clock() - track.started_at:.1f} s after "
                           f"restart {track.restarts}")
-            elif now - track.started_at > child.ready_timeout_s:
+                return
+            if now - track.started_at > child.ready_timeout_s:
                 # Hung in its start (e.g. a model load that never finishes): as good as dead.
                 self._died(track, f"was not ready {child.ready_timeout_s:.0f} s after restart {track.restarts}", now)
+                return
+            problem = child.health()
+            if problem is None or not problem.reloadable:
+                return  # still loading
+            track.phase = "running"  # it loaded and lost a model before a readiness poll saw it: as below
+        else:
+            problem = child.health()
+        if track.phase == "repairing":
+            if problem is None:
+                track.phase, track.unhealthy_since = "running", None
+                self._log(f"launcher: {child.name} serves again, {now - track.started_at:.1f} s after the reload")
+            elif now - track.started_at > child.ready_timeout_s:
+                self._died(track, f"still does not serve {child.ready_timeout_s:.0f} s after a reload ({problem.reason})",
+                           now)
+            return
+        if problem is None:
+            if track.unhealthy_since is not None:
+                self._log(f"launcher: {child.name} serves again by itself")
+            track.unhealthy_since = None
+            return
+        if not problem.reloadable:
+            self._died(track, f"does not serve: {problem.reason}", now)
+            return
+        if track.unhealthy_since is None:
+            track.unhealthy_since = now
+            self._log(f"launcher: {child.name}: {problem.reason}; reloading in {child.unhealthy_grace_s:.0f} s "
+                      "unless that clears")
+        elif now - track.unhealthy_since >= child.unhealthy_grace_s:
+            track.phase, track.started_at = "repairing", now
+            self._log(f"launcher: {child.name}: reloading {', '.join(problem.missing)} ({problem.reason})")
+            child.repair(problem)
 
     def _died(self, track: _Track, how: str, now: float) -> None:
         child = track.child
@@ -197,7 +247,7 @@ class Supervisor:
             child.stop()  # leftovers (e.g. backend stubs) go now; the launcher stops the rest on its way out
             raise RestartBudgetExceeded(f"{child.name} (pid {pid}) {how}; {why}; giving up\n{child.failure_detail()}")
         track.restarts += 1
-        track.phase, track.restart_at = "waiting", now + delay
+        track.phase, track.restart_at, track.unhealthy_since = "waiting", now + delay, None
         self._log(f"launcher: {child.name} (pid {pid}) {how}; restart {track.restarts} in {delay:.1f} s "
                   f"({track.budget.recent()} of at most {self.max_restarts_per_minute} in the last minute)")
         child.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -118,6 +119,22 @@ def _library_path(wheel_libs: Path) -> str:
 
 
 # ----- running a server ---------------------------------------------------------------------------------
+# Triton's endpoints that change the server (load/unload/repository index, tracing, logging, shared-memory
+# registration: tracing and verbose logging would record prompts) need CONTROL_HEADER; Triton's gRPC
+# server expects it as `triton-grpc-protocol-<header>` (grpc_control_headers).
+RESTRICTED_APIS = "model-repository,trace,logging,shared-memory"
+CONTROL_HEADER = "triton-control-key"
+
+
+def new_control_key() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def grpc_control_headers(key: str) -> dict[str, str]:
+    """The gRPC metadata a restricted Triton gRPC call must carry."""
+    return {f"triton-grpc-protocol-{CONTROL_HEADER}": key}
+
+
 class TritonServer:
     """One tritonserver process in its own process group, bound to loopback, logging to a file.
 
@@ -136,6 +153,7 @@ class TritonServer:
         work_dir: Path,
         model_name: str = "tensorrt_llm",
         extra_args: Sequence[str] = (),
+        control_key: str | None = None,
     ) -> None:
         self.model_repository = Path(model_repository)
         self.http_port = http_port
@@ -145,6 +163,9 @@ class TritonServer:
         self.work_dir = Path(work_dir)
         self.model_name = model_name
         self.extra_args = tuple(extra_args)
+        # Triton's control endpoints answer only requests that carry this key (see command()); a fresh
+        # random one unless the caller keeps one across restarts (the launcher, so its frontend keeps it).
+        self.control_key = control_key or new_control_key()
         self._install: TritonInstall | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopped = False
@@ -191,8 +212,19 @@ class TritonServer:
             "--model-control-mode=explicit",
             "--load-model=*",
             "--log-verbose=0",
+            # Control endpoints only with the key: in explicit mode anyone who reaches the ports could otherwise
+            # unload models or load their own Python as a model. Health, metadata, model config, inference and
+            # statistics stay open to the frontend and the probes. Triton takes the key only here, on its
+            # command line (README, "Triton's control API").
+            f"--http-restricted-api={RESTRICTED_APIS}:{CONTROL_HEADER}={self.control_key}",
+            f"--grpc-restricted-protocol={RESTRICTED_APIS}:{CONTROL_HEADER}={self.control_key}",
             *self.extra_args,
         ]
+
+    @property
+    def control_headers(self) -> dict[str, str]:
+        """What an HTTP request to a restricted endpoint must carry (gRPC: `grpc_control_headers`)."""
+        return {CONTROL_HEADER: self.control_key}
 
     def start(self) -> None:
         """Launch tritonserver; returns at once (see wait_ready)."""

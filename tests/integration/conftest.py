@@ -64,6 +64,7 @@ class Stack:
     triton_http_url: str
     scripted: ScriptedModel  # the engine model whose greedy output the tests script (scripted_model.py)
     repository: Path  # the session Triton's model repository (explicit model control: models load on demand)
+    triton_control: dict[str, str]  # the HTTP header Triton's load/unload/index endpoints need (restricted API)
 
     def engine_metric(self, name: str, model: str = "tensorrt_llm") -> float:
         """A CPU engine metric of one engine model, from Triton's metrics port (`cpu_engine_<name>`)."""
@@ -145,7 +146,7 @@ def stack(built_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         wait_http_ok(f"{root}/health/ready", 120, frontend)
         checkpoint = built_engine / "checkpoints" / "demo-tiny"
         yield Stack(f"{root}/v1", root, grpc_url, f"http://127.0.0.1:{metrics}/metrics", "demo-tiny",
-                    checkpoint, 512, f"http://127.0.0.1:{http}", scripted, repository)
+                    checkpoint, 512, f"http://127.0.0.1:{http}", scripted, repository, triton.control_headers)
     finally:
         if frontend is not None:
             stop_process(frontend)
@@ -168,7 +169,8 @@ def qwen_url(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     shutil.copytree(out / "model_repository" / "tensorrt_llm", target, ignore=shutil.ignore_patterns("__pycache__"))
     config = target / "config.pbtxt"
     config.write_text(re.sub(r'^name:\s*"[^"]*"', f'name: "{QWEN_MODEL}"', config.read_text(), count=1, flags=re.M))
-    httpx.post(f"{stack.triton_http_url}/v2/repository/models/{QWEN_MODEL}/load", timeout=300).raise_for_status()
+    httpx.post(f"{stack.triton_http_url}/v2/repository/models/{QWEN_MODEL}/load", headers=stack.triton_control,
+               timeout=300).raise_for_status()
     port = find_free_port()
     process = start_frontend(stack.triton_grpc_url, port, tmp_path_factory.mktemp("qwen_logs") / "frontend.log",
                              ENGINE_MODEL=QWEN_MODEL, SERVED_MODEL_NAME=QWEN_SERVED_NAME,
@@ -188,3 +190,58 @@ def client(stack: Stack) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def async_client(stack: Stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+# ----- the engine's metrics, without racing them ------------------------------------------------------------
+# The engine publishes its metrics from a thread of its own (cpu_engine/engine.py: _LatestOnly, at least
+# MIN_STATS_SPACING_S apart, again every stats_period_s while idle), so a scrape may show a state the engine
+# has already left: right after a request ends its slot can still read busy, and right after one starts the
+# engine can still read idle. A test decides on what only the request it sent can have caused (a counter
+# that moved past its value before the send), never on a gauge alone.
+ENGINE_STATS_PERIOD_S = 0.1  # cpu_engine.engine.Engine's stats_period_s, as the Triton model uses it
+ENGINE_WAIT_S = 60.0  # a bound for a hung stack, not a speed: every wait below ends on what the engine reports
+
+
+def engine_metrics(metrics_url: str, model: str) -> dict[str, float]:
+    """Every `cpu_engine_<name>` of one engine model from one scrape of Triton's metrics: name -> value."""
+    text = httpx.get(metrics_url, timeout=10).text
+    return {name: float(value) for name, labels, value in re.findall(r"^cpu_engine_(\w+)\{([^}]*)\} (\S+)$", text, re.M)
+            if re.search(rf'(^|,)model="{re.escape(model)}"(,|$)', labels)}
+
+
+def wait_engine(metrics_url: str, model: str, condition: Callable[[dict[str, float]], bool], what: str,
+                within_s: float = ENGINE_WAIT_S) -> dict[str, float]:
+    """Poll the engine model's metrics until `condition` holds; they are returned. Fails the test, with what was
+    last seen, after `within_s` (a hang guard)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        values = engine_metrics(metrics_url, model)
+        if values and condition(values):
+            return values
+        assert time.monotonic() < deadline, f"{model}: timed out after {within_s:.0f} s waiting for {what}; " \
+                                            f"last seen {values}"
+        time.sleep(0.02)
+
+
+def engine_is_idle(values: dict[str, float]) -> bool:
+    return values["active_slots"] == 0 and values["queued_requests"] == 0
+
+
+def engine_settled(metrics_url: str, model: str, after: dict[str, float] | None = None,
+                   within_s: float = ENGINE_WAIT_S) -> dict[str, float]:
+    """The engine model's metrics once it is idle and they have stopped changing: its counters then include
+    every request that ended before. With `after` (metrics read before requests that reached the engine were
+    sent), only once the engine has stepped since, so that a stale idle snapshot from before those requests
+    cannot pass for one after them. Idle, the engine publishes again every period: two idle scrapes some periods
+    apart that agree on every value were not read from a snapshot that a newer one was about to replace."""
+    def idle(values: dict[str, float]) -> bool:
+        return engine_is_idle(values) and (after is None or values["steps_total"] > after["steps_total"])
+
+    deadline = time.monotonic() + within_s
+    while True:
+        first = wait_engine(metrics_url, model, idle, "the engine to be idle", max(0.0, deadline - time.monotonic()))
+        time.sleep(3 * ENGINE_STATS_PERIOD_S)
+        second = engine_metrics(metrics_url, model)
+        if second == first:
+            return second
+        assert time.monotonic() < deadline, f"{model}: metrics still changing after {within_s:.0f} s: {second}"

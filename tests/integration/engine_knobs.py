@@ -193,6 +193,13 @@ def _build_model_class() -> type:
             if holding and production._scalar(request, "stop", False):
                 self.channel.release(sender)  # a stop request was answered directly, not through the channel
 
+        def _refuse(self, sender, message: str) -> None:
+            # Also after _enqueue returned: a request whose guide failed to compile (or whose compile ended
+            # after finalize) is answered directly, never through the channel.
+            if isinstance(self.channel, HoldingChannel):
+                self.channel.release(sender)
+            super()._refuse(sender, message)
+
         def _after_step(self) -> None:
             super()._after_step()
             self._inject_failures()

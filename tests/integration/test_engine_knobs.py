@@ -11,9 +11,7 @@ The engine-thread crash is tested through the frontend in test_generation_path.p
 from __future__ import annotations
 
 import queue
-import re
 import time
-import urllib.request
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +19,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.integration.conftest import (FAIL_SEED, FAULTY_MODEL, HELD_MODEL, KNOB_MODELS, SLOW_MODEL, Stack)
+from tests.integration.conftest import (FAIL_SEED, FAULTY_MODEL, HELD_MODEL, KNOB_MODELS, SLOW_MODEL, Stack,
+                                        engine_settled, wait_engine)
 from tests.integration.engine_knobs import INJECTED_FAILURE
 
 pytestmark = pytest.mark.integration
@@ -118,21 +117,11 @@ def run(url: str, model: str, inputs: list[grpcclient.InferInput], request_id: s
         stream.close()
 
 
-def metric(metrics_url: str, name: str, model: str) -> float:
-    """One engine model's value of a CPU engine metric (labels: model, version); 0 while not exported."""
-    with urllib.request.urlopen(metrics_url, timeout=5) as response:
-        text = response.read().decode()
-    match = re.search(rf'^{name}{{[^}}]*model="{model}"[^}}]*}} ([0-9.e+-]+)$', text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
-def wait_for(condition, timeout_s: float, what: str, state: Callable[[], str] = lambda: "") -> None:
-    """Poll a condition the server reaches on its own (a metric, a readiness flip), up to a deadline;
-    `state` describes what was seen instead, for the failure message."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what} {state()}"
-        time.sleep(0.1)
+def running_since(before: dict[str, float], slots: int = 1) -> Callable[[dict[str, float]], bool]:
+    """`slots` requests run, and the engine generated since `before` (its settled metrics before the send):
+    what only the request just sent can have caused. A slot gauge alone can still show the request before."""
+    return lambda now: (now["active_slots"] == slots
+                        and now["generated_tokens_total"] > before["generated_tokens_total"])
 
 
 # ----- the knobs -------------------------------------------------------------------------------------------
@@ -154,21 +143,24 @@ def test_hold_keeps_the_responses_back_then_sends_what_accumulated(knob_server: 
 
 
 def test_a_held_request_is_still_cancelled_when_its_client_leaves(knob_server: KnobServer) -> None:
-    """The hold delays delivery only: the engine runs the request and polls cancellation meanwhile."""
-    def cancelled() -> float:
-        return metric(knob_server.metrics_url, "cpu_engine_cancelled_requests_total", HELD)
+    """The hold delays delivery only: the engine runs the request and polls cancellation meanwhile.
 
-    before = cancelled()
-    stream = Stream(knob_server.grpc_url, HELD, engine_inputs(400))  # >= 8 s of steps: cannot end by itself
+    The request must be in the engine before the client leaves: Triton drops a request cancelled while it still
+    waits in the model's scheduler queue, before execute() ever sees it (dynamic batching: Triton core's
+    PriorityQueue::PolicyQueue::ApplyPolicy moves a cancelled request out of the queue and answers it
+    CANCELLED), and the engine then has nothing to cancel or count. So the test waits for the engine to be
+    idle, with counters that include the previous test's request (its slot gauge can still read 1 just after
+    that request ended: the metrics are published from a thread of their own), and for the engine to
+    generate for this request, before it leaves."""
+    url = knob_server.metrics_url
+    before = engine_settled(url, HELD)
+    stream = Stream(knob_server.grpc_url, HELD, engine_inputs(400))  # >= 20 s of steps: cannot end by itself
     try:
-        wait_for(lambda: metric(knob_server.metrics_url, "cpu_engine_active_slots", HELD) == 1, 10,
-                 "the held model to run the request")
+        wait_engine(url, HELD, running_since(before), "the held model to run the request")
     finally:
         stream.close(cancel=True)
-    # Timed out once in ~6 full runs (not reproduced in 120 runs of this test alone): the state says more.
-    wait_for(lambda: cancelled() == before + 1, 10, "the held request to be cancelled",
-             state=lambda: f"cancelled {cancelled()} (before {before}), active slots "
-                           f"{metric(knob_server.metrics_url, 'cpu_engine_active_slots', HELD)}")
+    wait_engine(url, HELD, lambda now: now["cancelled_requests_total"] == before["cancelled_requests_total"] + 1
+                and now["active_slots"] == 0, "the held request to be cancelled")
 
 
 def test_fail_seed_gets_an_error_right_after_its_first_token(knob_server: KnobServer) -> None:
@@ -181,8 +173,7 @@ def test_fail_seed_gets_an_error_right_after_its_first_token(knob_server: KnobSe
 
 # ----- cancellation end to end -----------------------------------------------------------------------------
 def test_a_client_leaving_cancels_its_own_request_only_and_is_counted(knob_server: KnobServer) -> None:
-    url, cancelled_before = knob_server.grpc_url, metric(knob_server.metrics_url,
-                                                         "cpu_engine_cancelled_requests_total", SLOW)
+    url, before = knob_server.grpc_url, engine_settled(knob_server.metrics_url, SLOW)
     leaving = Stream(url, SLOW, engine_inputs(400), request_id="shared-id")
     staying = Stream(url, SLOW, engine_inputs(30), request_id="shared-id")
     try:
@@ -193,8 +184,9 @@ def test_a_client_leaving_cancels_its_own_request_only_and_is_counted(knob_serve
         leaving.close(cancel=True)
         staying.close()
     assert not any(e.error for e in rest) and 1 + sum(e.tokens for e in rest) == 30
-    wait_for(lambda: metric(knob_server.metrics_url, "cpu_engine_cancelled_requests_total", SLOW)
-             == cancelled_before + 1, 10, "the cancelled-requests counter")
+    wait_engine(knob_server.metrics_url, SLOW,
+                lambda now: now["cancelled_requests_total"] == before["cancelled_requests_total"] + 1,
+                "the cancelled-requests counter")
 
 
 def test_stop_request_ends_its_target_with_an_error(knob_server: KnobServer) -> None:

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from launcher.ports import find_free_port
 from tests.integration.conftest import Stack, start_frontend, stop_process, wait_http_ok
 
-pytestmark = pytest.mark.integration
+# 520 requests a route, one after the other: more than the suite's 300 s per test on a busy machine.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 EXAMPLES_PER_ROUTE = 520
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES_PER_ROUTE, derandomize=True, deadline=None, database=None,
@@ -136,9 +137,10 @@ def request_bodies(base: dict, fields: dict) -> st.SearchStrategy[bytes | dict]:
 def fuzz_target(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     log = tmp_path_factory.mktemp("fuzz") / "frontend.log"
     port = find_free_port()
-    # A short context keeps default max_tokens small; a deadline bounds anything slow.
+    # A short context keeps default max_tokens small; a deadline bounds anything that hangs (generous: a 504
+    # fails the test, and a busy machine must not make one; under the client's 120 s read timeout below).
     process = start_frontend(stack.triton_grpc_url, port, log, CONTEXT_LENGTH="48", MAX_N="2",
-                             REQUEST_TIMEOUT_S="20", ACCESS_LOG="false")
+                             REQUEST_TIMEOUT_S="60", ACCESS_LOG="false")
     root = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(f"{root}/health/ready", 120, process)
@@ -182,7 +184,7 @@ COMPLETION_BASE = {"model": "demo-tiny", "prompt": "hi", "max_tokens": 2}
 def test_fuzz_route(fuzz_target: tuple[str, Path], route: str, base: dict, fields, what: str) -> None:
     root, _ = fuzz_target
     started = time.monotonic()
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=120) as client:
         @FUZZ_SETTINGS
         @given(request_bodies(base, fields))
         def fuzz(body: bytes | dict) -> None:

@@ -21,7 +21,8 @@ import pytest
 
 from launcher import __main__ as launcher
 from launcher.ports import find_free_port
-from tests.integration.conftest import SLOW_MODEL, Stack, read_stream, start_frontend, stop_process, wait_http_ok
+from tests.integration.conftest import (ENGINE_WAIT_S, SLOW_MODEL, Stack, engine_settled, read_stream, start_frontend,
+                                        stop_process, wait_engine, wait_http_ok)
 from tests.tls import self_signed_certificate
 
 pytestmark = pytest.mark.integration
@@ -93,6 +94,17 @@ def sse_payloads(text: str) -> list[str]:
     return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
 
 
+def metrics_when(root: str, condition, what: str, headers: dict[str, str] | None = None,
+                 within_s: float = ENGINE_WAIT_S) -> str:
+    """The frontend's /metrics text once `condition(text)` holds. A request's metrics are recorded, and its slot
+    released, after its last byte went out: a client can read /metrics before that."""
+    deadline = time.monotonic() + within_s
+    while not condition(text := httpx.get(f"{root}/metrics", headers=headers, timeout=10).text):
+        assert time.monotonic() < deadline, f"/metrics: no {what} after {within_s:.0f} s"
+        time.sleep(0.05)
+    return text
+
+
 @pytest.fixture(scope="module")
 def secured(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Frontend, Path]]:
     """Keys from a file and from the environment, 8 in flight + 8 queued, small body and prompt limits."""
@@ -108,21 +120,33 @@ def secured(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         stop_process(frontend.process)
 
 
+@pytest.fixture(scope="module")
+def slow_secured(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontend]:
+    """8 in flight + 8 queued, with a key, on the slow test engine (>= 50 ms a step: conftest.SLOW_MODEL), so
+    that a stream lasts at least (tokens x 50 ms) however fast this machine is."""
+    frontend = launch(stack, tmp_path_factory.mktemp("slow_secured") / "frontend.log", API_KEYS=KEY_A,
+                      MAX_IN_FLIGHT="8", MAX_QUEUED="8", REQUEST_TIMEOUT_S="120", ENGINE_MODEL=SLOW_MODEL)
+    try:
+        yield frontend
+    finally:
+        stop_process(frontend.process)
+
+
 # ----- auth -----------------------------------------------------------------------------------------------
 def test_api_keys_no_key_wrong_key_right_key_and_revocation_on_sighup(stack: Stack, secured) -> None:
     frontend, keys_file = secured
     url = f"{frontend.root}/v1/chat/completions"
-    error = assert_error(httpx.post(url, json=chat_body(stack), timeout=30), 401, "invalid_api_key")
+    error = assert_error(httpx.post(url, json=chat_body(stack), timeout=60), 401, "invalid_api_key")
     assert error["type"] == "invalid_request_error"
-    assert_error(httpx.post(url, json=chat_body(stack), headers=auth(KEY_A[:-1] + "x"), timeout=30), 401,
+    assert_error(httpx.post(url, json=chat_body(stack), headers=auth(KEY_A[:-1] + "x"), timeout=60), 401,
                  "invalid_api_key")
-    assert_error(httpx.post(url, json=chat_body(stack), headers={"Authorization": KEY_A}, timeout=30), 401,
+    assert_error(httpx.post(url, json=chat_body(stack), headers={"Authorization": KEY_A}, timeout=60), 401,
                  "invalid_api_key")  # not a Bearer header
-    assert_error(httpx.get(f"{frontend.root}/v1/models", timeout=30), 401, "invalid_api_key")
+    assert_error(httpx.get(f"{frontend.root}/v1/models", timeout=60), 401, "invalid_api_key")
     for key in (KEY_A, KEY_B, KEY_ENV):
         response = httpx.post(url, json=chat_body(stack), headers=auth(key), timeout=60)
         assert response.status_code == 200, response.text
-    assert httpx.get(f"{frontend.root}/v1/models", headers=auth(KEY_A), timeout=30).status_code == 200
+    assert httpx.get(f"{frontend.root}/v1/models", headers=auth(KEY_A), timeout=60).status_code == 200
     # health endpoints and (by default) /metrics are open
     assert httpx.get(f"{frontend.root}/health/live", timeout=10).status_code == 200
     assert httpx.get(f"{frontend.root}/health/ready", timeout=10).status_code == 200
@@ -130,7 +154,7 @@ def test_api_keys_no_key_wrong_key_right_key_and_revocation_on_sighup(stack: Sta
 
     keys_file.write_text(f"{KEY_A}\n")  # revoke B
     frontend.process.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while httpx.post(url, json=chat_body(stack), headers=auth(KEY_B), timeout=60).status_code != 401:
         assert time.monotonic() < deadline, "key B still accepted after SIGHUP"
         time.sleep(0.2)
@@ -148,7 +172,7 @@ def test_body_size_and_prompt_token_limits_answer_before_triton(stack: Stack, se
     frontend, _ = secured
     url = f"{frontend.root}/v1/completions"
     big = {"model": stack.model, "prompt": "x" * 30000, "max_tokens": 1}
-    assert_error(httpx.post(url, json=big, headers=auth(KEY_A), timeout=30), 413, "request_too_large")
+    assert_error(httpx.post(url, json=big, headers=auth(KEY_A), timeout=60), 413, "request_too_large")
 
     async def chunked() -> httpx.Response:  # no Content-Length: counted while read
         async def parts():
@@ -157,20 +181,21 @@ def test_body_size_and_prompt_token_limits_answer_before_triton(stack: Stack, se
                 yield b"y" * 1000
             yield b'"}'
 
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with httpx.AsyncClient(timeout=60) as client:
             return await client.post(url, content=parts(), headers={**auth(KEY_A), "Content-Type": "application/json"})
 
     assert_error(asyncio.run(chunked()), 413, "request_too_large")
     long_prompt = {"model": stack.model, "prompt": "hello " * 300, "max_tokens": 1}
-    error = assert_error(httpx.post(url, json=long_prompt, headers=auth(KEY_A), timeout=30), 400, "prompt_too_long")
+    error = assert_error(httpx.post(url, json=long_prompt, headers=auth(KEY_A), timeout=60), 400, "prompt_too_long")
     assert error["param"] == "prompt" and "100" in error["message"]
     assert httpx.post(url, json={**long_prompt, "prompt": "hello"}, headers=auth(KEY_A), timeout=60).status_code == 200
 
 
-async def test_overload_64_streams_against_8_in_flight_and_8_queued(stack: Stack, secured) -> None:
-    frontend, _ = secured
+async def test_overload_64_streams_against_8_in_flight_and_8_queued(stack: Stack, slow_secured: Frontend) -> None:
+    frontend = slow_secured
     url = f"{frontend.root}/v1/completions"
-    body = {"model": stack.model, "prompt": "count with me", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    # 40 tokens on the slow engine: >= 2 s a stream, so the 64 arrive while the first 16 hold every place
+    body = {"model": stack.model, "prompt": "count with me", "max_tokens": 40, "ignore_eos": True, "stream": True}
 
     async def one(client: httpx.AsyncClient) -> tuple[str, int]:
         async with client.stream("POST", url, json=body, headers=auth(KEY_A)) as response:
@@ -190,7 +215,7 @@ async def test_overload_64_streams_against_8_in_flight_and_8_queued(stack: Stack
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         started = time.monotonic()
-        outcomes = await asyncio.wait_for(asyncio.gather(*(one(client) for _ in range(64))), 150)
+        outcomes = await asyncio.wait_for(asyncio.gather(*(one(client) for _ in range(64))), 240)
         took = time.monotonic() - started
         counts = {kind: sum(1 for k, _ in outcomes if k == kind) for kind in ("complete", "429")}
         print(f"\noverload: 64 streams vs 8 in flight + 8 queued -> {counts['complete']} complete, "
@@ -200,9 +225,11 @@ async def test_overload_64_streams_against_8_in_flight_and_8_queued(stack: Stack
         # and it serves normally afterwards
         again = await asyncio.gather(*(one(client) for _ in range(8)))
         assert all(kind == "complete" for kind, _ in again)
-        metrics = (await client.get(f"{frontend.root}/metrics")).text
+    # every place given back (released after each stream's last byte, which the client may see first)
+    metrics = await asyncio.to_thread(
+        metrics_when, frontend.root, lambda text: "tritonllm_requests_in_flight 0.0" in text
+        and "tritonllm_requests_queued 0.0" in text, "tritonllm_requests_in_flight and _queued at 0")
     assert re.search(r'tritonllm_requests_rejected_total\{reason="queue_full"\} [1-9]', metrics)
-    assert "tritonllm_requests_in_flight 0.0" in metrics and "tritonllm_requests_queued 0.0" in metrics
 
 
 def test_rate_limits_per_key_requests_and_tokens_per_minute(stack: Stack, tmp_path: Path) -> None:
@@ -223,7 +250,7 @@ def test_rate_limits_per_key_requests_and_tokens_per_minute(stack: Stack, tmp_pa
         assert assert_error(tokenize, 429, "rate_limit_exceeded")["type"] == "requests"
         # key B has its own budget; a request that can never fit the token budget is refused
         too_big = httpx.post(url, json={**body, "max_tokens": 450}, headers=auth(KEY_B), timeout=60)
-        assert assert_error(too_big, 429, "rate_limit_exceeded")["type"] == "tokens"
+        assert assert_error(too_big, 400, "tokens_per_minute_exceeded")["param"] == "max_tokens"  # never a retry
         # 300 reserved (prompt + max_tokens) and all of it used (ignore_eos): a second 300 does not fit
         full = {**body, "max_tokens": 298, "ignore_eos": True}
         assert httpx.post(url, json=full, timeout=60, headers=auth(KEY_B)).status_code == 200
@@ -233,49 +260,57 @@ def test_rate_limits_per_key_requests_and_tokens_per_minute(stack: Stack, tmp_pa
 
 
 # ----- deadlines ------------------------------------------------------------------------------------------
-def test_request_timeout_header_cancels_the_triton_request(stack: Stack, secured) -> None:
-    frontend, _ = secured
+def test_request_timeout_header_cancels_the_triton_request(stack: Stack, slow_secured: Frontend) -> None:
+    frontend = slow_secured
     url = f"{frontend.root}/v1/completions"
+    # 450 tokens on the slow engine take >= 22.5 s: only the 0.5 s deadline can end these requests sooner
     body = {"model": stack.model, "prompt": "go on", "max_tokens": 450, "ignore_eos": True}
     headers = {**auth(KEY_A), "X-Request-Timeout": "0.5"}
+    before = engine_settled(stack.triton_metrics_url, SLOW_MODEL)
     started = time.monotonic()
-    response = httpx.post(url, json=body, headers=headers, timeout=30)
-    assert time.monotonic() - started < 5
+    response = httpx.post(url, json=body, headers=headers, timeout=60)
+    assert time.monotonic() - started < 15  # generous for a 0.5 s deadline, and far from the request's end
     error = assert_error(response, 504, "timeout")
     assert "0.5" in error["message"]
     started = time.monotonic()
-    streamed = httpx.post(url, json={**body, "stream": True}, headers=headers, timeout=30)
-    assert time.monotonic() - started < 5 and streamed.status_code == 200
+    streamed = httpx.post(url, json={**body, "stream": True}, headers=headers, timeout=60)
+    assert time.monotonic() - started < 15 and streamed.status_code == 200
     payloads = sse_payloads(streamed.text)
     assert payloads[-1] == "[DONE]" and json.loads(payloads[-2])["error"]["code"] == "timeout"
-    assert_error(httpx.post(url, json=body, headers={**auth(KEY_A), "X-Request-Timeout": "soon"}, timeout=30),
+    assert_error(httpx.post(url, json=body, headers={**auth(KEY_A), "X-Request-Timeout": "soon"}, timeout=60),
                  400, None)
-    # the engine let go of both requests: no slot stays busy
-    deadline = time.monotonic() + 10
-    while stack.engine_metric("active_slots") != 0:
-        assert time.monotonic() < deadline, "the engine still runs the timed-out requests"
-        time.sleep(0.2)
+    # the engine let go of both requests (it says they were cancelled): no slot stays busy
+    wait_engine(stack.triton_metrics_url, SLOW_MODEL,
+                lambda now: now["cancelled_requests_total"] == before["cancelled_requests_total"] + 2,
+                "both timed-out requests to be cancelled")
+    wait_engine(stack.triton_metrics_url, SLOW_MODEL,
+                lambda now: now["active_slots"] == 0 and now["queued_requests"] == 0, "no slot to stay busy")
 
 
 # ----- observability --------------------------------------------------------------------------------------
 def test_metrics_and_one_json_access_log_line_per_request_without_text(stack: Stack, secured) -> None:
     frontend, _ = secured
     secret_prompt = "my-secret-prompt-text-42"
+    assert_error(httpx.post(f"{frontend.root}/v1/chat/completions", json=chat_body(stack), timeout=60), 401,
+                 "invalid_api_key")  # counted below, whatever ran before
     response = httpx.post(f"{frontend.root}/v1/chat/completions", headers={**auth(KEY_A), "X-Request-Id": "rid-obs-1"},
                           json=chat_body(stack, messages=[{"role": "user", "content": secret_prompt}], max_tokens=5,
                                          stream=True, ignore_eos=True), timeout=60)
     assert response.status_code == 200
-    metrics = httpx.get(f"{frontend.root}/metrics", timeout=10).text
-    for family in ("tritonllm_time_to_first_token_seconds_bucket", "tritonllm_inter_token_latency_seconds_bucket",
-                   "tritonllm_request_duration_seconds_bucket", "tritonllm_request_queue_time_seconds_bucket",
-                   "tritonllm_prompt_tokens_total", "tritonllm_completion_tokens_total",
-                   "tritonllm_requests_in_flight", "tritonllm_requests_queued"):
+    families = ("tritonllm_time_to_first_token_seconds_bucket", "tritonllm_inter_token_latency_seconds_bucket",
+                "tritonllm_request_duration_seconds_bucket", "tritonllm_request_queue_time_seconds_bucket",
+                "tritonllm_prompt_tokens_total", "tritonllm_completion_tokens_total",
+                "tritonllm_requests_in_flight", "tritonllm_requests_queued")
+    counted = (r'tritonllm_requests_total\{finish_reason="length",model="demo-tiny",'
+               r'route="/v1/chat/completions",status="200",version=""\}',
+               r'tritonllm_requests_total\{finish_reason="none",model="",route="/v1/chat/completions",'
+               r'status="401",version=""\}')
+    # a request is counted after its last byte went out, which the client may see first
+    metrics = metrics_when(frontend.root, lambda text: all(re.search(c, text) for c in counted),
+                           "count of both requests")
+    for family in families:
         assert family in metrics, family
-    assert re.search(r'tritonllm_requests_total\{finish_reason="length",model="demo-tiny",'
-                     r'route="/v1/chat/completions",status="200",version=""\}', metrics)
-    assert re.search(r'tritonllm_requests_total\{finish_reason="none",model="",route="/v1/chat/completions",'
-                     r'status="401",version=""\}', metrics)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while not [r for r in frontend.access_records() if r["request_id"] == "rid-obs-1"]:
         assert time.monotonic() < deadline
         time.sleep(0.1)
@@ -328,38 +363,41 @@ async def test_sigterm_drains_then_cancels_streams_with_an_error_event(stack: St
         async with httpx.AsyncClient(timeout=60) as client:
             events = [asyncio.Event() for _ in range(2)]
             long_streams = [asyncio.create_task(read_stream(client, url, long, e)) for e in events]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
             frontend.process.send_signal(signal.SIGTERM)
             term = time.monotonic()
+            # not ready any more while the streams still drain (they can only end by the grace's end)
             while (await client.get(f"{frontend.root}/health/ready")).status_code != 503:
-                assert time.monotonic() - term < 2, "still ready after SIGTERM"
+                assert not any(s.done() for s in long_streams), "still ready after SIGTERM when the grace ended"
+                await asyncio.sleep(0.05)
             refused = await client.post(url, json={**short, "stream": False})
             assert_error(refused, 503, "service_unavailable")
-            results = await asyncio.wait_for(asyncio.gather(*long_streams), 20)
+            results = await asyncio.wait_for(asyncio.gather(*long_streams), 60)
         for payloads, ended in results:
-            assert 2.5 < ended - term < 10
+            # held for the grace, then cut: an error event, long before the >= 22.5 s they would have taken
+            assert 2.5 < ended - term < 20
             assert payloads[-1] == "[DONE]"
             assert json.loads(payloads[-2])["error"]["code"] == "service_unavailable"
-        frontend.process.wait(15)
+        frontend.process.wait(60)
     finally:
         stop_process(frontend.process)
 
 
 async def test_sigterm_lets_short_streams_finish(stack: Stack, tmp_path: Path) -> None:
     # 40 tokens on the slow engine: >= 2 s, so the streams are mid-way at SIGTERM, well within the grace.
-    frontend = launch(stack, tmp_path / "frontend.log", SHUTDOWN_GRACE_S="20", ENGINE_MODEL=SLOW_MODEL)
+    frontend = launch(stack, tmp_path / "frontend.log", SHUTDOWN_GRACE_S="120", ENGINE_MODEL=SLOW_MODEL)
     body = {"model": stack.model, "prompt": "short", "max_tokens": 40, "ignore_eos": True, "stream": True}
     try:
         async with httpx.AsyncClient(timeout=60) as client:
             events = [asyncio.Event() for _ in range(3)]
             streams = [asyncio.create_task(read_stream(client, f"{frontend.root}/v1/completions", body, e))
                        for e in events]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)  # each has its first token
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)  # each has its first token
             frontend.process.send_signal(signal.SIGTERM)
-            results = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            results = await asyncio.wait_for(asyncio.gather(*streams), 60)
         for payloads, _ in results:
             assert payloads[-1] == "[DONE]" and not any("error" in json.loads(p) for p in payloads[:-1])
             assert json.loads(payloads[-2])["choices"][0]["finish_reason"] == "length"
-        frontend.process.wait(15)  # exits well before the 20 s grace: nothing left in flight
+        frontend.process.wait(60)  # exits long before the 120 s grace: it waited for nothing left in flight
     finally:
         stop_process(frontend.process)

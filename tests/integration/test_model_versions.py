@@ -229,7 +229,9 @@ async def test_rollout_and_rollback_under_load_drop_nothing(served: Served, stac
     assert chat(served, ASSISTANT) == V2_TEXT
     card = model_card(served, ASSISTANT)
     assert (card["live_version"], card["previous_version"]) == (2, 1)
-    index = httpx.post(f"{served.triton_http}/v2/repository/index", json={"ready": True}, timeout=30).json()
+    key = (served.build / "triton_control_key").read_text().strip()  # the launch's key (restricted API)
+    index = httpx.post(f"{served.triton_http}/v2/repository/index", json={"ready": True},
+                       headers={"triton-control-key": key}, timeout=30).json()
     assert sorted((m["name"], m["version"]) for m in index) == [(ASSISTANT, "2"), (CODER, "1")]
     metrics = httpx.get(f"{served.root}/metrics", timeout=30).text
     assert 'model="assistant"' in metrics and 'version="2"' in metrics

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import openai
@@ -16,20 +16,37 @@ import pytest
 from transformers import AutoTokenizer
 
 from launcher.ports import find_free_port
-from tests.integration.conftest import Stack, start_frontend, stop_process, wait_http_ok
+from tests.integration.conftest import (SLOW_MODEL, Stack, engine_is_idle, engine_settled, start_frontend,
+                                        stop_process, wait_engine, wait_http_ok)
 from tests.integration.test_openai_api import sse_events
 
 pytestmark = pytest.mark.integration
 
 
-def wait_for_gauge(stack: Stack, name: str, condition, within_s: float) -> bool:
-    """Whether the real engine's gauge `name` (e.g. active_slots) meets `condition` within `within_s`."""
-    deadline = time.perf_counter() + within_s
-    while not condition(stack.engine_metric(name)):
-        if time.perf_counter() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+@pytest.fixture(scope="module")
+def slow_url(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A frontend (base URL) on the slow test engine (>= 50 ms a step: conftest.SLOW_MODEL): a 450-token request
+    there lasts >= 22.5 s however fast this machine is, so a client can leave while it runs."""
+    port = find_free_port()
+    process = start_frontend(stack.triton_grpc_url, port, tmp_path_factory.mktemp("fields_slow") / "frontend.log",
+                             ENGINE_MODEL=SLOW_MODEL, SERVED_MODEL_NAME=stack.model)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health/ready", 120, process)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        stop_process(process)
+
+
+def running_since(before: dict[str, float]):
+    """A request runs, and the engine generated since `before` (its settled metrics before the request was sent):
+    what only that request can have caused (a slot gauge alone can still show an earlier request)."""
+    return lambda now: now["active_slots"] >= 1 and now["generated_tokens_total"] > before["generated_tokens_total"]
+
+
+def cancelled_since(before: dict[str, float]):
+    """The engine cancelled one request since `before`, and is idle."""
+    return lambda now: (now["cancelled_requests_total"] == before["cancelled_requests_total"] + 1
+                        and engine_is_idle(now))
 
 
 # ----- n ------------------------------------------------------------------------------------------
@@ -156,35 +173,37 @@ def test_stop_string_split_across_several_tokens_never_streams(client: openai.Op
 
 
 # ----- disconnects ------------------------------------------------------------------------------------
-def test_client_disconnect_frees_the_engine_slot_within_a_second(stack: Stack) -> None:
+def test_client_disconnect_frees_the_engine_slot(stack: Stack, slow_url: str) -> None:
+    metrics = stack.triton_metrics_url
     body = {"model": stack.model, "prompt": "long", "max_tokens": 450, "stream": True, "ignore_eos": True}
-    timed = {"model": stack.model, "prompt": "speed", "max_tokens": 40, "ignore_eos": True}
-    start = time.perf_counter()
-    httpx.post(f"{stack.base_url}/completions", json=timed, timeout=60).raise_for_status()
-    baseline = time.perf_counter() - start
-    with httpx.stream("POST", f"{stack.base_url}/completions", json=body, timeout=60) as response:
+    short = {"model": stack.model, "prompt": "speed", "max_tokens": 4, "ignore_eos": True}
+    before = engine_settled(metrics, SLOW_MODEL)
+    with httpx.stream("POST", f"{slow_url}/completions", json=body, timeout=60) as response:
         received = 0
         for line in response.iter_lines():
             received += line.startswith("data: {")
             if received == 5:
-                assert wait_for_gauge(stack, "active_slots", lambda v: v >= 1, 0.5)
+                wait_engine(metrics, SLOW_MODEL, running_since(before), "the request to run")
                 break  # closing the line iterator closes the connection
-    assert wait_for_gauge(stack, "active_slots", lambda v: v == 0, 1.0), \
-        "the engine kept generating after the client left"
-    start = time.perf_counter()
-    httpx.post(f"{stack.base_url}/completions", json=timed, timeout=60).raise_for_status()
-    assert time.perf_counter() - start < 2 * baseline + 0.2
+    # the engine cancelled it (>= 22.5 s of steps: it could not have ended by itself) and let go of its slot
+    after = wait_engine(metrics, SLOW_MODEL, cancelled_since(before), "the engine to cancel the request")
+    assert after["generated_tokens_total"] - before["generated_tokens_total"] < 450
+    # and serves the next request in full
+    assert httpx.post(f"{slow_url}/completions", json=short, timeout=60).json()["usage"]["completion_tokens"] == 4
 
 
-async def test_non_streaming_disconnect_cancels_generation(stack: Stack) -> None:
+async def test_non_streaming_disconnect_cancels_generation(stack: Stack, slow_url: str) -> None:
+    metrics = stack.triton_metrics_url
     body = {"model": stack.model, "prompt": "long", "max_tokens": 450, "ignore_eos": True}
+    before = await asyncio.to_thread(engine_settled, metrics, SLOW_MODEL)
     async with httpx.AsyncClient(timeout=60) as http:
-        waiting = asyncio.create_task(http.post(f"{stack.base_url}/completions", json=body))
-        assert await asyncio.to_thread(wait_for_gauge, stack, "active_slots", lambda v: v >= 1, 30)
+        waiting = asyncio.create_task(http.post(f"{slow_url}/completions", json=body))
+        await asyncio.to_thread(wait_engine, metrics, SLOW_MODEL, running_since(before), "the request to run")
         waiting.cancel()  # the client gives up: its connection closes
         await asyncio.gather(waiting, return_exceptions=True)
-    assert await asyncio.to_thread(wait_for_gauge, stack, "active_slots", lambda v: v == 0, 1.0), \
-        "generation continued after the client left"
+    after = await asyncio.to_thread(wait_engine, metrics, SLOW_MODEL, cancelled_since(before),
+                                    "the engine to cancel the request after the client left")
+    assert after["generated_tokens_total"] - before["generated_tokens_total"] < 450
 
 
 # ----- models, tokenizer helpers, request ids ---------------------------------------------------------
@@ -202,10 +221,10 @@ def test_model_by_id_tokenize_detokenize_and_request_id(client: openai.OpenAI, s
     reply = client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=1)
     assert chat_tokens["count"] == reply.usage.prompt_tokens
-    response = httpx.post(f"{stack.base_url}/completions", headers={"X-Request-Id": "trace-me-123"}, timeout=30,
+    response = httpx.post(f"{stack.base_url}/completions", headers={"X-Request-Id": "trace-me-123"}, timeout=60,
                           json={"model": stack.model, "prompt": "x", "max_tokens": 1})
     assert response.headers["x-request-id"] == "trace-me-123"
-    generated = httpx.post(f"{stack.base_url}/completions", timeout=30,
+    generated = httpx.post(f"{stack.base_url}/completions", timeout=60,
                            json={"model": stack.model, "prompt": "x", "max_tokens": 1})
     assert len(generated.headers["x-request-id"]) >= 16
 
@@ -226,13 +245,13 @@ def test_missing_chat_template_is_a_clear_400_unless_one_is_given(stack: Stack, 
         frontend = start_frontend(stack.triton_grpc_url, port, tmp_path / f"frontend{port}.log",
                                   TOKENIZER_DIR=str(plain), **extra)
         try:
-            wait_http_ok(f"http://127.0.0.1:{port}/health/ready", 60, frontend)
-            response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
+            wait_http_ok(f"http://127.0.0.1:{port}/health/ready", 120, frontend)
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
             assert response.status_code == expect, response.text
             if expect == 400:
                 error = response.json()["error"]
                 assert error["code"] == "chat_template_missing" and "--chat-template" in error["message"]
-                completion = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                completion = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                                         json={"model": stack.model, "prompt": "hi", "max_tokens": 2})
                 assert completion.status_code == 200
         finally:

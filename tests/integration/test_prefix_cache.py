@@ -17,7 +17,8 @@ import pytest
 
 from benchmarks.servers import stop_process, wait_http_ok
 from launcher.ports import find_free_port
-from tests.integration.conftest import Stack, set_parameter, start_frontend, wait_until
+from tests.integration.conftest import (ENGINE_WAIT_S, Stack, engine_settled, set_parameter, start_frontend,
+                                        wait_until)
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +42,8 @@ def no_reuse_client(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> I
                              flags=re.M))
     set_parameter(target, "enable_kv_cache_reuse", "false")
     set_parameter(target, "cpu_kv_cache_tokens", str(NO_REUSE_KV_TOKENS))
-    httpx.post(f"{stack.triton_http_url}/v2/repository/models/{NO_REUSE_MODEL}/load", timeout=300).raise_for_status()
+    httpx.post(f"{stack.triton_http_url}/v2/repository/models/{NO_REUSE_MODEL}/load", headers=stack.triton_control,
+               timeout=300).raise_for_status()
     port = find_free_port()
     process = start_frontend(stack.triton_grpc_url, port, tmp_path_factory.mktemp("no_reuse") / "frontend.log",
                              ENGINE_MODEL=NO_REUSE_MODEL)
@@ -50,7 +52,8 @@ def no_reuse_client(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> I
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     finally:
         stop_process(process)
-        httpx.post(f"{stack.triton_http_url}/v2/repository/models/{NO_REUSE_MODEL}/unload", timeout=60)
+        httpx.post(f"{stack.triton_http_url}/v2/repository/models/{NO_REUSE_MODEL}/unload", headers=stack.triton_control,
+                   timeout=60)
 
 
 def ask(client: openai.OpenAI, model: str, question: str, stream: bool = False) -> str:
@@ -65,8 +68,11 @@ def ask(client: openai.OpenAI, model: str, question: str, stream: bool = False) 
 
 def test_a_cached_system_prompt_is_found_and_answers_exactly_as_without_reuse(
         stack: Stack, client: openai.OpenAI, no_reuse_client: openai.OpenAI) -> None:
+    idle = engine_settled(stack.triton_metrics_url, "tensorrt_llm")
     cold = ask(client, stack.model, "Where is order 1182?")
-    hits_before = stack.engine_metric("prefix_cache_hits_tokens_total")
+    # counted once `cold` is (the engine publishes its metrics late: a read right now could still miss its hits)
+    hits_before = engine_settled(stack.triton_metrics_url, "tensorrt_llm",
+                                 after=idle)["prefix_cache_hits_tokens_total"]
     warm = ask(client, stack.model, "Where is order 1182?")
     # Every full block but the one holding the prompt's last token (which is always computed) was found.
     prompt_tokens = client.chat.completions.create(
@@ -76,14 +82,16 @@ def test_a_cached_system_prompt_is_found_and_answers_exactly_as_without_reuse(
     expected_hits = 2 * ((prompt_tokens - 1) // 16 * 16)  # `warm` and this third request
     assert prompt_tokens > 100
     assert wait_until(lambda: stack.engine_metric("prefix_cache_hits_tokens_total") - hits_before == expected_hits,
-                      10), (stack.engine_metric("prefix_cache_hits_tokens_total") - hits_before, expected_hits)
+                      ENGINE_WAIT_S), (stack.engine_metric("prefix_cache_hits_tokens_total") - hits_before,
+                                       expected_hits)
     warm_streamed = ask(client, stack.model, "Where is order 1182?", stream=True)
     other_question = ask(client, stack.model, "Can I return a lamp?")  # shares the system prompt only
 
     assert ask(no_reuse_client, stack.model, "Where is order 1182?") == cold == warm == warm_streamed
     assert ask(no_reuse_client, stack.model, "Can I return a lamp?") == other_question
+    assert wait_until(lambda: stack.engine_metric("prefix_cache_queries_tokens_total", NO_REUSE_MODEL) > 0,
+                      ENGINE_WAIT_S)  # published late, like every engine metric
     assert stack.engine_metric("prefix_cache_hits_tokens_total", NO_REUSE_MODEL) == 0
-    assert stack.engine_metric("prefix_cache_queries_tokens_total", NO_REUSE_MODEL) > 0
 
 
 def test_kv_cache_gauges_describe_the_pool(stack: Stack, no_reuse_client: openai.OpenAI) -> None:
@@ -93,12 +101,13 @@ def test_kv_cache_gauges_describe_the_pool(stack: Stack, no_reuse_client: openai
     assert wait_until(lambda: stack.engine_metric("kv_cache_blocks_used") == 0
                       and stack.engine_metric("kv_cache_usage_ratio") == 0
                       and stack.engine_metric("requests_running") == 0
-                      and stack.engine_metric("requests_waiting") == 0, 10)
+                      and stack.engine_metric("requests_waiting") == 0, ENGINE_WAIT_S)
 
 
 def test_a_request_needing_more_blocks_than_the_cache_has_is_a_400_at_once(
         stack: Stack, no_reuse_client: openai.OpenAI) -> None:
     prompt = "word " * 200  # within the 512-token context with max_tokens 100, beyond the 256-token cache
+    before = engine_settled(stack.triton_metrics_url, NO_REUSE_MODEL)
     with pytest.raises(openai.BadRequestError) as refused:
         no_reuse_client.completions.create(model=stack.model, prompt=prompt, max_tokens=100)
     assert refused.value.status_code == 400
@@ -107,4 +116,5 @@ def test_a_request_needing_more_blocks_than_the_cache_has_is_a_400_at_once(
     # Nothing was taken: the engine answers the next request, and holds no block afterwards.
     answer = no_reuse_client.completions.create(model=stack.model, prompt="word " * 20, max_tokens=8)
     assert answer.choices[0].finish_reason in ("length", "stop")
-    assert wait_until(lambda: stack.engine_metric("kv_cache_blocks_used", NO_REUSE_MODEL) == 0, 10)
+    # once idle after that request (not a stale idle reading from before it)
+    assert engine_settled(stack.triton_metrics_url, NO_REUSE_MODEL, after=before)["kv_cache_blocks_used"] == 0

@@ -8,6 +8,7 @@ the same seed, and what a client can get wrong is a 400 naming the field.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Iterator
 
@@ -192,3 +193,36 @@ def test_guided_regex_and_grammar_for_completions(stack: Stack) -> None:
     grammar = client.completions.create(model=stack.model, prompt="Answer:", n=4, seed=6, max_tokens=10,
                                         extra_body={"guided_grammar": 'root ::= "yes" | "no" | "maybe"'})
     assert {c.text for c in grammar.choices} <= {"yes", "no", "maybe"}
+
+
+CONST_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"answer": {"const": "yes"},
+                                                                  "mood": {"enum": ["calm", "busy"]}},
+                                "required": ["answer", "mood"], "additionalProperties": False}
+
+
+def test_guided_top_logprobs_are_real_tokens_with_finite_logprobs(stack: Stack) -> None:
+    """Where the grammar allows fewer tokens than top_logprobs (a const: nearly every position), there are
+    fewer alternatives, never filler (token id 0 with logprob -inf, which JSON carries as null)."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=60)
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": CONST_SCHEMA, "strict": True}}
+    for stream in (False, True):
+        answer = client.chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=60, seed=3,
+                                                logprobs=True, top_logprobs=5, response_format=response_format,
+                                                stream=stream)
+        chunks = list(answer) if stream else [answer]
+        entries = [entry for chunk in chunks for choice in chunk.choices
+                   for entry in (choice.logprobs.content or [] if choice.logprobs else [])]
+        text = "".join(entry.token for entry in entries)
+        assert json.loads(text)["answer"] == "yes", text
+        assert entries and all(isinstance(e.logprob, float) and math.isfinite(e.logprob) for e in entries)
+        for entry in entries:
+            assert 1 <= len(entry.top_logprobs) <= 5, entry
+            assert all(isinstance(alt.logprob, float) and math.isfinite(alt.logprob) for alt in entry.top_logprobs)
+            assert len({alt.token for alt in entry.top_logprobs}) == len(entry.top_logprobs)  # no filler repeats
+        assert any(len(entry.top_logprobs) < 5 for entry in entries)
+    legacy = client.completions.create(model=stack.model, prompt="Mood:", max_tokens=20, seed=4, logprobs=5,
+                                       extra_body={"guided_json": CONST_SCHEMA})
+    top = legacy.choices[0].logprobs.top_logprobs
+    assert all(math.isfinite(value) for alternatives in top for value in alternatives.values())
+    assert any(len(alternatives) < 5 for alternatives in top)
+    assert all(math.isfinite(value) for value in legacy.choices[0].logprobs.token_logprobs)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.integration.conftest import Stack
+from tests.integration.conftest import SLOW_MODEL, Stack
 
 pytestmark = pytest.mark.integration
 
@@ -128,22 +128,24 @@ def test_engine_refuses_a_request_that_can_never_fit(stack: Stack) -> None:
 
 
 def test_stop_request_with_the_same_id_cancels_a_running_generation(stack: Stack) -> None:
+    # On the slow test copy of the engine model (>= 50 ms a step): 400 tokens take >= 20 s, so the target still
+    # runs when the stop comes however fast this machine is.
     request_id = f"cancel-me-{uuid.uuid4().hex}"
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(stack.triton_grpc_url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
-        client.async_stream_infer("tensorrt_llm", engine_inputs([3, 4, 5], 400, True),
+        client.async_stream_infer(SLOW_MODEL, engine_inputs([3, 4, 5], 400, True),
                                   request_id=request_id, enable_empty_final_response=True)
         first, error = results.get(timeout=60)
         assert error is None
         stop_inputs = engine_inputs([0], 1, True) + [tensor("stop", np.array([[True]], dtype=bool), "BOOL")]
-        stop_responses, stop_errors = stream_once(stack.triton_grpc_url, "tensorrt_llm", stop_inputs,
+        stop_responses, stop_errors = stream_once(stack.triton_grpc_url, SLOW_MODEL, stop_inputs,
                                                   request_id=request_id)
         assert not stop_errors
         received = 1
         while True:  # the stopped request ends with an error (never like a natural end), before its 400 tokens
-            result, error = results.get(timeout=30)
+            result, error = results.get(timeout=60)
             if error is not None:
                 assert "cancelled by a stop request" in str(error)
                 break

@@ -489,7 +489,7 @@ def test_engine_thread_failure_fails_every_open_request_and_refuses_new_ones(che
         engine.submit(in_inbox)  # the loop is held in after_step: this stays in the inbox
         crash_now.set()
         assert failed.wait(60)
-        assert engine.join(10)  # the thread ended
+        assert engine.join(60)  # the thread ended
         assert not engine.alive and "InjectedCrash: injected" in (engine.failure or "")
         assert reasons == [engine.failure]
         for r in (running, waiting, in_inbox):

@@ -9,6 +9,7 @@ import json
 import math
 import re
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -19,10 +20,11 @@ import torch
 
 from build_engine.demo_checkpoint import ensure_demo_checkpoint
 from cpu_engine.config import EngineConfig
+from cpu_engine.guide_pool import SHUT_DOWN, GuidePool
 from cpu_engine.guided import GuideCompiler, GuidedRows, GuideError, pack_bits
 from cpu_engine.runner import LlamaRunner
 from cpu_engine.sampling import SamplingParams, SamplingRow, sample
-from cpu_engine.scheduler import FinishReason, GenerationRequest, RequestError, Scheduler
+from cpu_engine.scheduler import STOPPED_BY_ID, FinishReason, GenerationRequest, RequestError, Scheduler
 from tests.unit.test_cpu_engine import ListSink, run_until_done
 
 SLOTS = 24
@@ -296,15 +298,89 @@ class _Tensor:
         return self._array
 
 
+class _Sender:
+    """A request's response sender: what the glue sends it directly (errors, a stop's empty FINAL)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[object, int]] = []
+        self.answered = threading.Event()
+
+    def send(self, response=None, flags: int = 0) -> None:
+        self.sent.append((response, flags))
+        self.answered.set()
+
+    def error(self) -> str:
+        assert self.answered.wait(WAIT_S)
+        (response, flags), = self.sent
+        assert flags == 1  # FINAL
+        return response.error
+
+
 class _Request:
-    def __init__(self, **inputs: np.ndarray):
+    def __init__(self, request_id: str = "glue", **inputs: np.ndarray):
         self.inputs = {name: _Tensor(array) for name, array in inputs.items()}
+        self._request_id = request_id
+        self.sender = _Sender()
 
     def request_id(self) -> str:
-        return "glue"
+        return self._request_id
 
     def requested_output_names(self) -> list[str]:
         return ["output_ids"]
+
+    def get_response_sender(self) -> _Sender:
+        return self.sender
+
+
+class _Engine:
+    """Stands in for cpu_engine.engine.Engine: records submissions, from any thread."""
+
+    def __init__(self) -> None:
+        self.submitted: list[GenerationRequest] = []
+        self.events: list[tuple[str, str]] = []
+        self.refuse: str | None = None  # submit raises RequestError with this text
+        self._changed = threading.Condition()
+
+    def submit(self, request: GenerationRequest) -> None:
+        if self.refuse is not None:
+            raise RequestError(self.refuse)
+        with self._changed:
+            self.submitted.append(request)
+            self.events.append(("submit", request.request_id))
+            self._changed.notify_all()
+
+    def cancel_by_id(self, request_id: str) -> None:
+        self.events.append(("cancel_by_id", request_id))
+
+    def wait_for(self, count: int) -> list[GenerationRequest]:
+        with self._changed:
+            assert self._changed.wait_for(lambda: len(self.submitted) >= count, WAIT_S), self.submitted
+            return list(self.submitted)
+
+    def stop(self) -> None:
+        self.events.append(("stop", ""))
+
+
+class _Gated:
+    """A guide compiler (cpu_engine.guide_pool.Compiler) whose compiles wait for `go`; "bad..." fails."""
+
+    def __init__(self) -> None:
+        self.go, self.started = threading.Event(), threading.Event()
+        self.cache: dict[tuple, object] = {}
+
+    def cached(self, guide_type, guide):
+        return self.cache.get((guide_type, guide))
+
+    def compile(self, guide_type, guide):
+        self.started.set()
+        assert self.go.wait(WAIT_S), "the test never let the compile go"
+        if guide.startswith("bad"):
+            raise GuideError(f"invalid guided_decoding_guide for guided_decoding_guide_type {guide_type!r}: bad")
+        compiled = self.cache[(guide_type, guide)] = types.SimpleNamespace(guide=guide)
+        return compiled
+
+
+WAIT_S = 10.0
 
 
 @pytest.fixture
@@ -312,43 +388,101 @@ def glue(monkeypatch: pytest.MonkeyPatch):
     pb_utils = types.ModuleType("triton_python_backend_utils")
     pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     pb_utils.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
+    pb_utils.InferenceResponse = lambda error=None, output_tensors=(): types.SimpleNamespace(error=error)
+    pb_utils.TritonError = str
+    pb_utils.Logger = types.SimpleNamespace(log_error=print, log_warn=print, log_info=print)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb_utils)
     path = Path(__file__).resolve().parents[2] / "model_repository" / "tensorrt_llm" / "1" / "model.py"
     spec = importlib.util.spec_from_file_location("cpu_engine_glue_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     model = module.TritonPythonModel.__new__(module.TritonPythonModel)  # no initialize(): no engine thread
-    model.exclude_input_default, model.max_top_logprobs, model.guide_compiler = True, 20, None
-    model.submitted = []
-    model.engine = types.SimpleNamespace(submit=model.submitted.append)
+    model.exclude_input_default, model.max_top_logprobs = True, 20
+    model.guide_compiler = model.guide_pool = None
+    model.engine = _Engine()
+    model.channel = types.SimpleNamespace(close=lambda: None)
     model._make_sink = lambda *args: ListSink()
-    return model
+    yield model
+    if model.guide_pool is not None:
+        model.guide_pool.close()
 
 
-def _guided_request(guide_type: bytes | None, guide: bytes | None) -> _Request:
+def _guided_request(guide_type: bytes | None, guide: bytes | None, request_id: str = "glue") -> _Request:
     inputs = {"input_ids": np.array([[5, 6, 7]], dtype=np.int32), "request_output_len": np.array([[8]], dtype=np.int32)}
     if guide_type is not None:
         inputs["guided_decoding_guide_type"] = np.array([guide_type], dtype=object)
     if guide is not None:
         inputs["guided_decoding_guide"] = np.array([guide], dtype=object)
-    return _Request(**inputs)
+    return _Request(request_id, **inputs)
 
 
-def test_the_glue_compiles_the_guide_on_its_thread_and_hands_it_to_the_engine(glue, compiler):
-    glue.guide_compiler = compiler
-    glue._enqueue(_guided_request(b"json_schema", json.dumps(SCHEMA).encode()), sender=None)
-    glue._enqueue(_guided_request(None, None), sender=None)
-    assert glue.submitted[0].guide is compiler.compile("json_schema", json.dumps(SCHEMA))
-    assert glue.submitted[1].guide is None
-    with pytest.raises(GuideError, match="^invalid guided_decoding_guide for guided_decoding_guide_type 'regex'"):
-        glue._enqueue(_guided_request(b"regex", b"(("), sender=None)
-    with pytest.raises(RequestError, match="without guided_decoding_guide_type"):
-        glue._enqueue(_guided_request(None, b"[a-z]"), sender=None)
-    assert len(glue.submitted) == 2
+def test_the_glue_compiles_an_uncached_guide_off_its_thread_and_hands_a_cached_one_to_the_engine_at_once(
+        glue, tokenizer, runner):
+    compiler = GuideCompiler(tokenizer, runner.vocab_size)  # its own: a cold cache
+    glue.guide_compiler, glue.guide_pool = compiler, GuidePool(compiler)
+    schema = json.dumps(SCHEMA)
+    glue.execute([_guided_request(b"json_schema", schema.encode(), "first")])
+    first, = glue.engine.wait_for(1)
+    assert first.guide is compiler.cached("json_schema", schema) and compiler.misses == 1
+    glue.execute([_guided_request(None, None, "plain"), _guided_request(b"json_schema", schema.encode(), "again")])
+    assert [(r.request_id, r.guide) for r in glue.engine.submitted[1:]] == [("plain", None), ("again", first.guide)]
+    assert compiler.misses == 1  # "again" came from the cache, on execute()'s thread, submitted before it returned
+
+    bad = _guided_request(b"regex", b"((")
+    glue.execute([bad])  # compiles on a pool thread; its error response comes from there
+    assert bad.sender.error().startswith("invalid guided_decoding_guide for guided_decoding_guide_type 'regex'")
+    nameless = _guided_request(None, b"[a-z]")
+    glue.execute([nameless])  # refused at once, on execute()'s thread
+    assert nameless.sender.sent and "without guided_decoding_guide_type" in nameless.sender.error()
+    assert len(glue.engine.submitted) == 3
+
+
+def test_a_slow_uncached_compile_does_not_hold_up_an_unguided_request(glue):
+    """Finding 12 of the 2026-12-01 review: execute() used to compile on Triton's one thread."""
+    compiler = _Gated()
+    glue.guide_pool = GuidePool(compiler)
+    guided, plain = _guided_request(b"regex", b"[0-9]+", "guided"), _guided_request(None, None, "plain")
+    glue.execute([guided, plain])  # returns while the compile waits
+    assert compiler.started.wait(WAIT_S)
+    assert [r.request_id for r in glue.engine.submitted] == ["plain"] and not guided.sender.sent
+    compiler.go.set()
+    assert [(r.request_id, getattr(r.guide, "guide", None)) for r in glue.engine.wait_for(2)] == [
+        ("plain", None), ("guided", "[0-9]+")]
+
+    failing = _guided_request(b"regex", b"bad((")
+    glue.execute([failing])
+    assert failing.sender.error() == "invalid guided_decoding_guide for guided_decoding_guide_type 'regex': bad"
+    glue.engine.refuse = "prompt length (3) + request_output_len (8) exceeds the engine's max_seq_len (4)"
+    refused = _guided_request(b"regex", b"[a-z]+")  # compiles, then the engine refuses it: answered all the same
+    glue.execute([refused])
+    assert refused.sender.error() == glue.engine.refuse
+    assert len(glue.engine.submitted) == 2
+
+
+def test_a_stop_answers_a_request_still_compiling_and_finalize_never_submits_a_late_compile(glue):
+    compiler = _Gated()
+    glue.guide_pool = GuidePool(compiler)
+    compiling = _guided_request(b"regex", b"[0-9]+", "same")
+    glue.execute([compiling])
+    assert compiler.started.wait(WAIT_S)
+    stop = _Request("same", stop=np.array([[True]]))
+    glue.execute([stop])
+    assert compiling.sender.error() == STOPPED_BY_ID and stop.sender.sent == [(None, 1)]
+    assert glue.engine.events == [("cancel_by_id", "same")]  # after the pool's stop (see model.py)
+
+    late = _guided_request(b"regex", b"[0-9]+", "late")  # joins the compile still running
+    glue.execute([late])
+    glue.finalize()
+    compiler.go.set()
+    assert late.sender.error() == SHUT_DOWN
+    assert glue.engine.submitted == [] and glue.engine.events[-1] == ("stop", "")
+    after = _guided_request(b"regex", b"[a-z]", "after")
+    glue.execute([after])
+    assert after.sender.error() == SHUT_DOWN
 
 
 def test_the_glue_refuses_a_guide_when_guided_decoding_is_off(glue):
     off = "guided decoding is off on this engine (guided_decoding_backend)"
     with pytest.raises(RequestError, match=re.escape(off)):
         glue._enqueue(_guided_request(b"json", None), sender=None)
-    assert not glue.submitted
+    assert not glue.engine.submitted

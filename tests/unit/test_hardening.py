@@ -8,16 +8,22 @@ import hmac
 import math
 import time
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
 
 from frontend import auth
-from frontend.admission import AdmissionGate, RateLimiter, Rejected, TokenBucket
+from frontend.admission import (AdmissionGate, NeverFits, RateLimiter, Rejected, TokenBucket, TokenDemand,
+                                tokens_to_charge, tokens_to_reserve)
 from frontend.auth import KeyStore, bearer_token
 from frontend.deadlines import Deadline, Deadlines
-from frontend.errors import OpenAIError
-from frontend.middleware import route_label
+from frontend.errors import OpenAIError, install_error_handlers
+from frontend.middleware import Edge, EdgeMiddleware, route_label
+from frontend.serving import UsageCounter
+from frontend.settings import Settings
 
 
 class FakeClock:
@@ -160,9 +166,129 @@ def test_tokens_per_minute_reserve_up_front_and_settle_with_actual_usage() -> No
     limiter.settle(first, 150)  # settling twice gives nothing more
     second = limiter.reserve_tokens("k", 800)
     assert second.reserved == 800
-    with pytest.raises(Rejected) as too_big:
+    with pytest.raises(NeverFits) as too_big:  # more than the bucket ever holds: no retry can help
         limiter.reserve_tokens("other", 1001)
-    assert "Request too large" in too_big.value.message and too_big.value.retry_after_s == 60
+    assert "Request too large" in too_big.value.message and too_big.value.param == "max_tokens"
+
+
+def test_an_explicit_max_tokens_past_the_token_budget_is_a_400_naming_it_not_a_retried_429() -> None:
+    assert tokens_to_reserve(TokenDemand(100, 900), 1000) == 1000
+    with pytest.raises(NeverFits) as raised:
+        tokens_to_reserve(TokenDemand(100, 901), 1000)
+    assert raised.value.param == "max_tokens"
+    assert "max_tokens 901" in raised.value.message and "1000 tokens per minute" in raised.value.message
+    assert "at most 900" in raised.value.message
+    with pytest.raises(NeverFits) as choices:  # n=4: 4 x 300 on top of the prompt
+        tokens_to_reserve(TokenDemand(100, 1200, engine_requests=4), 1000)
+    assert "max_tokens 300 x 4 generations" in choices.value.message and "at most 225" in choices.value.message
+
+
+def test_a_defaulted_max_tokens_reserves_at_most_what_the_bucket_holds() -> None:
+    """max_tokens omitted (the openai SDK's default): the rest of a 32k context under a 10k limit would never
+    fit, so the reservation is capped at the limit and the request runs."""
+    assert tokens_to_reserve(TokenDemand(100, 32_668, max_tokens_given=False), 10_000) == 10_000
+    assert tokens_to_reserve(TokenDemand(100, 400, max_tokens_given=False), 10_000) == 500  # fits: all of it
+    with pytest.raises(NeverFits) as prompt:  # the prompt alone leaves no room for a token: shorten it
+        tokens_to_reserve(TokenDemand(10_000, 22_768, max_tokens_given=False), 10_000)
+    assert prompt.value.param == "prompt" and "10000 tokens" in prompt.value.message
+    with pytest.raises(NeverFits) as explicit:  # the same prompt with max_tokens given: still the prompt's fault
+        tokens_to_reserve(TokenDemand(9_999, 2, engine_requests=2), 10_000)
+    assert explicit.value.param == "prompt"
+
+
+def test_use_beyond_a_capped_reservation_is_a_debt_the_next_requests_wait_out() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(tokens_per_minute=1000, clock=clock)
+    reservation = limiter.reserve("k", TokenDemand(100, 3000, max_tokens_given=False))
+    assert reservation.reserved == 1000
+    limiter.settle(reservation, 1600)  # it ran to 1600 tokens: 600 owed
+    with pytest.raises(Rejected) as waiting:
+        limiter.reserve("k", TokenDemand(10, 10))
+    assert waiting.value.retry_after_s == pytest.approx(620 / (1000 / 60))
+    clock.advance(620 / (1000 / 60))
+    assert limiter.reserve("k", TokenDemand(10, 10)).reserved == 20
+
+
+@pytest.mark.parametrize(("admitted", "status", "completion", "charged"), [
+    (True, 200, 50, 150),  # ran: prompt + generated
+    (True, 200, 0, 100),  # ran (a stream the client left after its status): the prompt was processed
+    (True, 500, 7, 107),  # failed after generating: what it used
+    (True, 504, 3, 103),  # timed out mid-generation: what it used
+    (False, 429, 0, 0),  # admission: queue_full or queue_timeout
+    (True, 429, 0, 0),  # the engine's queue was full
+    (True, 503, 0, 0),  # the engine model is not loaded, or the engine has failed
+    (True, 400, 0, 0),  # the engine refused what the client sent
+    (False, 400, 0, 0),  # refused before admission
+    (True, 499, 0, 0),  # the client left before the first token
+])
+def test_only_requests_that_ran_are_charged(admitted: bool, status: int, completion: int, charged: int) -> None:
+    assert tokens_to_charge(admitted, status, 100, completion) == charged
+
+
+def test_a_refused_request_gives_back_its_whole_reservation() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(tokens_per_minute=1000, clock=clock)
+    refused = limiter.reserve("k", TokenDemand(400, 600))
+    limiter.settle(refused, tokens_to_charge(False, 429, 400, 0))
+    assert limiter.reserve("k", TokenDemand(400, 600)).reserved == 1000  # the whole minute's budget, at once
+
+
+def tpm_client(tpm: int) -> tuple[TestClient, Edge]:
+    """The edge middleware in front of a stand-in generation route that does what routes.new_generation does
+    with the budget (reserve, then admission) and then answers as its body says: tokens generated or an
+    engine error's status."""
+    edge = Edge(Settings(rate_limit_tpm=tpm, max_in_flight=1, max_queued=0))
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        ctx = request.state.ctx
+        ctx.reserve_tokens(TokenDemand(body["prompt_tokens"], body.get("max_tokens") or 5000, 1,
+                                       max_tokens_given="max_tokens" in body), "prompt")
+        ctx.prompt_tokens = body["prompt_tokens"]
+        ctx.usage = UsageCounter(body["prompt_tokens"])
+        await ctx.admit(1)
+        if "engine_status" in body:
+            raise OpenAIError(body["engine_status"], "the engine said no", "server_error")
+        ctx.usage.completion_tokens = body["generated"]
+        return {}
+
+    app.add_middleware(EdgeMiddleware, edge=edge)
+    return TestClient(app), edge
+
+
+def test_requests_refused_by_admission_or_the_engine_cost_no_tokens() -> None:
+    client, edge = tpm_client(1000)
+    edge.gate.in_flight = 1  # every slot taken and no queue: admission answers queue_full
+    for _ in range(5):
+        answer = client.post("/v1/completions", json={"prompt_tokens": 300, "max_tokens": 100})
+        assert answer.status_code == 429 and answer.json()["error"]["code"] == "overloaded"
+    edge.gate.in_flight = 0
+    for status in (429, 503, 400):
+        answer = client.post("/v1/completions", json={"prompt_tokens": 300, "max_tokens": 100,
+                                                      "engine_status": status})
+        assert answer.status_code == status
+    # none of the 8 refusals was charged: the whole minute's budget is still there
+    assert client.post("/v1/completions", json={"prompt_tokens": 500, "max_tokens": 500,
+                                                "generated": 500}).status_code == 200
+    # and what ran was charged: prompt + generated, nothing is left
+    limited = client.post("/v1/completions", json={"prompt_tokens": 1, "max_tokens": 1, "generated": 1})
+    assert limited.status_code == 429 and limited.json()["error"]["type"] == "tokens"
+
+
+def test_a_request_that_can_never_fit_the_token_budget_is_a_400_unless_max_tokens_was_defaulted() -> None:
+    client, _ = tpm_client(1000)
+    answer = client.post("/v1/completions", json={"prompt_tokens": 300, "max_tokens": 800, "generated": 1})
+    assert answer.status_code == 400 and "Retry-After" not in answer.headers
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "max_tokens"
+    assert error["code"] == "tokens_per_minute_exceeded" and "1000 tokens per minute" in error["message"]
+    too_long = client.post("/v1/completions", json={"prompt_tokens": 1000, "generated": 1})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
+    # max_tokens left out (the rest of the context, 5000 here): it runs, with the whole budget reserved
+    assert client.post("/v1/completions", json={"prompt_tokens": 300, "generated": 100}).status_code == 200
 
 
 def test_no_limits_configured_never_rejects() -> None:

@@ -9,14 +9,21 @@ that every metric name the autoscaler and the endpoint picker read is one the mo
 (tests/integration/test_kubernetes_metrics.py scrapes a running CPU stack's frontend for the same names), and
 that Triton stays inside the pod: no container exposes its ports, nothing binds them to all interfaces, and
 the endpoint picker and Prometheus read the engine's gauges on the frontend's /metrics (TRITON_METRICS_URL).
+Also: Triton's liveness is the engine model's readiness; every pod serves the engine of its own ENGINE_KEY,
+never a link a re-run Job could move; Triton's control APIs are behind a key made per pod, in memory, shared
+with the frontend only; the endpoint picker scrapes as often as the frontend refreshes Triton's metrics.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import re
 import shutil
+import stat
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +34,11 @@ import yaml
 
 import launcher.__main__ as launcher_main
 import launcher.tritonserver as launcher_tritonserver
+from build_engine.trtllm import checkpoint_sha256
+from launcher.mpi import tritonserver_argv
+from frontend.metrics import ENGINE_WAITING
 from frontend.routes import router
+from frontend.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "kubernetes"
@@ -172,7 +183,7 @@ def launcher_probe_paths(cfg: launcher_main.Config, monkeypatch: pytest.MonkeyPa
     launcher_main.FrontendProcess(cfg).ready()
     triton_urls: list[str] = []
     monkeypatch.setattr(launcher_tritonserver, "_http_ok", lambda url: triton_urls.append(url) or True)
-    launcher_main.TritonProcess(cfg).ready()
+    launcher_main.TritonProcess(cfg, control_key="k").ready()
     base = cfg.frontend_base
     assert all(u.startswith(base) for u in urls), urls
     return urls[0][len(base):], urls[1][len(base):], [re.sub(r"^http://[^/]+", "", u) for u in triton_urls]
@@ -188,12 +199,30 @@ def make_serve_commands() -> list[list[str]]:
     return commands
 
 
-def load_triton_cpu() -> Any:
-    spec = importlib.util.spec_from_file_location("triton_cpu", K8S / "overlays" / "cpu" / "triton_cpu.py")
+def restricted_argv(key: str) -> list[str]:
+    """The launcher's tritonserver options that put Triton's control APIs, HTTP and gRPC, behind `key`."""
+    server = launcher_tritonserver.TritonServer(Path("/r"), 8000, 8001, 8002, log_file=Path("/l"),
+                                                work_dir=Path("/w"), control_key=key)
+    server._install = launcher_tritonserver.TritonInstall(Path("/bin/tritonserver"), Path("/b"))  # not looked up
+    options = restricted_options(server.command())
+    assert len(options) == 2 and all(o.endswith(f"triton-control-key={key}") for o in options), options
+    return options
+
+
+def restricted_options(argv: list[str]) -> list[str]:
+    return sorted(a for a in argv if a.startswith(("--http-restricted-api", "--grpc-restricted-protocol")))
+
+
+def load_script(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_triton_cpu() -> Any:
+    return load_script(K8S / "overlays" / "cpu" / "triton_cpu.py")
 
 
 # ----- every overlay -------------------------------------------------------------------------------------
@@ -210,7 +239,7 @@ def test_overlay_renders_one_frontend_pod_that_hides_triton(overlay: str) -> Non
     # The engine's gauges leave the pod on the frontend's /metrics, fetched from Triton on loopback.
     triton_env = env_of(triton)
     assert env_of(frontend)["TRITON_METRICS_URL"] == f"http://127.0.0.1:{triton_env['TRITON_METRICS_PORT']}/metrics"
-    if triton["command"][:3] == ["python", "-m", "launcher.mpi"]:
+    if "launcher.mpi" in " ".join(triton["command"]):
         # launcher.mpi binds all interfaces unless TRITON_ADDRESS says otherwise.
         assert triton_env.get("TRITON_ADDRESS") == "127.0.0.1"
     else:
@@ -327,7 +356,11 @@ def test_gpu_overlays_read_the_protocol_names_of_triton_tensorrt_llm() -> None:
         docs = render(overlay)
         specs = {field: f"{name}{{{','.join(f'{k}={v}' for k, v in labels.items())}}}"
                  for field, (name, labels) in picker_metrics(docs).items()}
-        assert {k: specs[k] for k in PROTOCOL_TRTLLM} == PROTOCOL_TRTLLM
+        engine_side = {k: v for k, v in PROTOCOL_TRTLLM.items() if k != "queuedRequestsSpec"}
+        assert {k: specs[k] for k in engine_side} == engine_side
+        # The queue is the frontend's sum, whose engine part is the protocol's waiting series.
+        assert picker_metrics(docs)["queuedRequestsSpec"] == ("tritonllm_requests_waiting", {})
+        assert parse_spec(PROTOCOL_TRTLLM["queuedRequestsSpec"]) in ENGINE_WAITING
         assert autoscaler_metrics(docs)["trtllm_requests_waiting"] == ("nv_trt_llm_request_metrics",
                                                                        {"request_type": "waiting"})
 
@@ -351,7 +384,7 @@ def test_multinode_overlay_spreads_the_engine_over_the_group() -> None:
     tp_size = int(env_of(resource(docs, "Job", "engine-build")["spec"]["template"]["spec"]["containers"][0])["TP_SIZE"])
     assert template["size"] * gpus_per_pod == tp_size
     leader_triton = container(server_pod(docs), "triton")
-    assert leader_triton["command"][:3] == ["python", "-m", "launcher.mpi"]
+    assert "exec python -m launcher.mpi " in leader_triton["command"][-1]
     assert "OMPI_MCA_orte_default_hostfile" in env_of(leader_triton)
     worker_labels = template["workerTemplate"]["metadata"]["labels"]
     assert worker_labels["app.kubernetes.io/component"] != "server", "workers serve nothing: not in the pool"
@@ -418,13 +451,17 @@ def test_cpu_pod_runs_the_commands_of_make_serve(tmp_path: Path, launcher_config
 
 
 def test_triton_cpu_execs_the_launchers_tritonserver_with_every_port_on_loopback(
-        tmp_path: Path, launcher_config: launcher_main.Config) -> None:
+        tmp_path: Path, launcher_config: launcher_main.Config, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = launcher_config
+    key_file = tmp_path / "control-key"
+    key_file.write_text("k" * 64)
+    monkeypatch.setenv("TRITON_CONTROL_KEY_FILE", str(key_file))  # as the pod sets it (written at pod start)
     argv, env = load_triton_cpu().command(["--model-repository", str(tmp_path / "repo"), "--work-dir", str(tmp_path)])
     launcher_argv = launcher_tritonserver.TritonServer(
         tmp_path / "repo", cfg.http_port, cfg.grpc_port, cfg.metrics_port, log_file=tmp_path / "log",
-        work_dir=tmp_path, model_name=cfg.engine_model).command()
-    assert argv == launcher_argv, "the launcher's command, nothing added"
+        work_dir=tmp_path, model_name=cfg.engine_model, control_key="k" * 64).command()
+    assert argv == launcher_argv, "the launcher's command, with the pod's control key, nothing added"
+    assert restricted_options(argv) == restricted_argv("k" * 64), argv
     addresses = [a for a in argv if re.match(r"--(http|grpc|metrics)-address", a)]
     assert sorted(addresses) == ["--grpc-address=127.0.0.1", "--http-address=127.0.0.1",
                                  "--metrics-address=127.0.0.1"]
@@ -437,3 +474,238 @@ def test_cpu_overlay_reads_cpu_engine_metrics() -> None:
     names = {name for name, _ in picker_metrics(docs).values()} | {n for n, _ in autoscaler_metrics(docs).values()}
     assert names and not [n for n in names if n.startswith("nv_trt_llm")], names
     assert picker_metrics(docs)["kvUsageSpec"][0] == "cpu_engine_kv_cache_usage_ratio"
+    # The picker's queue: the frontend's sum, whose engine part is the gauge the HPA reads for the engine.
+    assert picker_metrics(docs)["queuedRequestsSpec"] == ("tritonllm_requests_waiting", {})
+    engine_queue = autoscaler_metrics(docs)["cpu_engine_requests_waiting"]
+    assert (engine_queue[0], {}) in ENGINE_WAITING
+
+
+# ----- Triton's liveness: the engine model, not the process ----------------------------------------------
+class ProbeTarget:
+    """Triton's HTTP port as a probe sees it: /v2/health/live always 200; the engine model's ready route 200
+    while `model_ready`, else 400 (as after the model unloaded itself)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.model_ready = True
+        target = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                ok = self.path in ("/v2/health/live", "/v2/health/ready") or (
+                    self.path == "/v2/models/tensorrt_llm/ready" and target.model_ready)
+                self.send_response(200 if ok else 400)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def run(self, probe: dict[str, Any], env: dict[str, str]) -> int:
+        command = probe["exec"]["command"]
+        assert command[:2] == ["python", "-c"], command
+        probe_env = {**os.environ, **env, "TRITON_HTTP_PORT": str(self.server.server_address[1])}
+        return subprocess.run([sys.executable, "-c", command[2]], env=probe_env, capture_output=True,
+                              timeout=30).returncode
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_triton_is_alive_while_the_engine_model_is_ready(overlay: str,
+                                                         launcher_config: launcher_main.Config) -> None:
+    pod = server_pod(render(overlay))
+    triton, frontend = container(pod, "triton"), container(pod, "frontend")
+    # The model the probes ask for is the one the frontend serves (ENGINE_MODEL of both containers).
+    assert env_of(triton)["ENGINE_MODEL"] == env_of(frontend)["ENGINE_MODEL"] == launcher_config.engine_model
+    live, startup = triton["livenessProbe"], triton["startupProbe"]
+    target = ProbeTarget()
+    try:
+        assert target.run(live, env_of(triton)) == 0
+        assert target.run(startup, env_of(triton)) == 0
+        target.model_ready = False  # unloaded itself (engine thread dead) or its stub died: the process lives on
+        assert target.run(live, env_of(triton)) != 0, "liveness must fail when the engine model is not ready"
+        assert target.run(startup, env_of(triton)) != 0
+    finally:
+        target.close()
+    assert "/v2/health/live" not in live["exec"]["command"][-1]
+    # Not ready for a minute before a restart: far longer than any blip, and a rollout never makes the model
+    # unready by name (frontend/rollout.py loads the new version beside the live one). The startup probe,
+    # which holds the liveness probe off until it passes, covers an engine load (the launcher's timeout).
+    assert live["periodSeconds"] * live["failureThreshold"] >= 60
+    assert live["timeoutSeconds"] > 5  # the script's own timeout
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= launcher_config.triton_ready_timeout_s
+
+
+# ----- the engine of a pod: its ENGINE_KEY, never `current` ------------------------------------------------
+def configmap_ref(docs: tuple[dict[str, Any], ...], c: dict[str, Any], name: str) -> tuple[str, str]:
+    """The rendered ConfigMap and key an environment variable of `c` comes from; that ConfigMap exists."""
+    [ref] = [e["valueFrom"]["configMapKeyRef"] for e in c.get("env", []) if e["name"] == name]
+    return ref["name"], resource(docs, "ConfigMap", ref["name"])["data"][ref["key"]]
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "tp", "multinode"])
+def test_pods_serve_the_engine_of_their_own_engine_key(overlay: str) -> None:
+    docs = render(overlay)
+    pod = server_pod(docs)
+    job = resource(docs, "Job", "engine-build")["spec"]["template"]["spec"]["containers"][0]
+    built = configmap_ref(docs, job, "ENGINE_KEY")
+    wait = container(pod, "wait-engine")
+    triton = container(pod, "triton")
+    # One key for the Job and the pod (one generated ConfigMap, whose hashed name is in the pod template: a
+    # new key is a new template, i.e. a rollout of the server pods, and nothing else switches them).
+    assert configmap_ref(docs, wait, "ENGINE_KEY") == built
+    assert configmap_ref(docs, triton, "ENGINE_KEY") == built
+    assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", built[1])
+    assert '--model-repository "/cache/$ENGINE_KEY/model_repository"' in triton["command"][-1]
+    # Nothing in the pods follows a link that a re-run of the Job moves.
+    scripts = [(K8S / "base" / "scripts" / name).read_text() for name in ("build-engine.sh", "wait-engine.sh")]
+    for text in [yaml.safe_dump(pod), *scripts]:
+        assert "/cache/current" not in text and "current.tmp" not in text
+    assert 'dir="/cache/$ENGINE_KEY"' in scripts[1]
+    # The frontend's tokenizer is the key's too: Triton's config names /cache/<key>/hf (the Job builds from that
+    # snapshot), which the frontend mounts read-only; the checkpoint volume (changed in place to build the next
+    # key) is mounted by the Job only.
+    mounts = {m["mountPath"]: m for m in container(pod, "frontend")["volumeMounts"]}
+    assert mounts["/cache"]["name"] == "engine-cache" and mounts["/cache"]["readOnly"] is True
+    assert '--model "$dir/hf"' in scripts[0]
+    for spec in pod_specs(resource(docs, server_kind(docs), "tritonllm")):
+        assert "models" not in {v["name"] for v in spec.get("volumes", [])}
+    assert {"name": "models", "mountPath": "/models/hf", "readOnly": True} in job["volumeMounts"]
+
+
+def server_kind(docs: tuple[dict[str, Any], ...]) -> str:
+    return "LeaderWorkerSet" if [d for d in docs if d["kind"] == "LeaderWorkerSet"] else "Deployment"
+
+
+def test_a_new_engine_key_changes_the_pod_template(tmp_path: Path) -> None:
+    """Setting ENGINE_KEY (here from an overlay of the gpu overlay) rolls the Deployment: its template changes."""
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(K8S / "overlays" / "gpu", tmp_path)],
+        "configMapGenerator": [{"name": "tritonllm-engine", "behavior": "merge", "literals": ["ENGINE_KEY=engine-2"]}],
+    }))
+    out = subprocess.run(["kubectl", "kustomize", str(tmp_path)], check=True, capture_output=True, text=True,
+                         timeout=60).stdout
+    docs = tuple(doc for doc in yaml.safe_load_all(out) if doc)
+    before, after = server_pod(render("gpu")), server_pod(docs)
+    assert configmap_ref(docs, container(after, "triton"), "ENGINE_KEY")[1] == "engine-2"
+    assert before != after
+
+
+def test_engine_key_refuses_to_rebuild_a_key_and_snapshots_the_checkpoint(tmp_path: Path) -> None:
+    engine_key = load_script(K8S / "base" / "scripts" / "engine_key.py")
+    checkpoint = tmp_path / "hf"
+    (checkpoint / "original").mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "tokenizer.json").write_text('{"model": {}}')
+    (checkpoint / "model.safetensors").write_bytes(b"\0" * 1024)
+    (checkpoint / "original" / "consolidated.00.pth").write_bytes(b"\1" * 1024)
+    key = tmp_path / "cache" / "engine-1"
+    engine_key.snapshot(checkpoint, key / "hf")
+    snap = key / "hf"
+    assert not (snap / "tokenizer.json").is_symlink() and (snap / "tokenizer.json").read_text() == '{"model": {}}'
+    assert (snap / "model.safetensors").is_symlink() and (snap / "original" / "consolidated.00.pth").is_symlink()
+    assert os.readlink(snap / "model.safetensors") == str(checkpoint / "model.safetensors")
+    # The Job compares the source's hash with the record's, which the build takes of the snapshot: the same.
+    sha = checkpoint_sha256(checkpoint)
+    assert checkpoint_sha256(snap) == sha
+    assert engine_key.built(key, "1.1.0", "1", sha) == engine_key.NOT_BUILT
+    (key / "engine").mkdir()
+    (key / "engine" / "engine_config.json").write_text(json.dumps(
+        {"tensorrt_llm_version": "1.1.0", "tp_size": 1, "checkpoint_sha256": sha}))
+    assert engine_key.built(key, "1.1.0", "1", sha) == 0
+    assert engine_key.built(key, "1.1.0", "1", "0" * 64) == 1  # another checkpoint under a built key
+    assert engine_key.built(key, "1.2.0", "1", sha) == 1  # another image
+    assert engine_key.built(key, "1.1.0", "2", sha) == 1  # another TP size
+
+
+# ----- Triton's control APIs: a key per pod, shared by Triton and the frontend only ------------------------
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_tritons_control_key_is_made_per_pod_in_memory_and_shared_with_the_frontend_only(overlay: str) -> None:
+    docs = render(overlay)
+    pod = server_pod(docs)
+    spec = pod["spec"]
+    init_names = [c["name"] for c in spec["initContainers"]]
+    maker, triton, frontend = (container(pod, n) for n in ("triton-control-key", "triton", "frontend"))
+    # Made before Triton starts (init containers start in order; the frontend after all of them).
+    assert init_names.index("triton-control-key") < init_names.index("triton") == len(init_names) - 1
+    assert maker.get("restartPolicy") is None, "runs once, to completion"
+    key_file = env_of(maker)["TRITON_CONTROL_KEY_FILE"]
+    assert env_of(triton)["TRITON_CONTROL_KEY_FILE"] == env_of(frontend)["TRITON_CONTROL_KEY_FILE"] == key_file
+    assert maker["command"] == ["python", "/scripts/triton_control_key.py"]
+    # An in-memory volume of this pod: written by the maker, read-only for Triton and the frontend, mounted
+    # by nothing else (not the picker, the Job, nor a multi-node worker).
+    [volume] = [v for v in spec["volumes"] if v["name"] == "triton-control"]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    for c in all_containers(docs):
+        mounts = [m for m in c.get("volumeMounts", []) if m["name"] == "triton-control"]
+        if c["name"] not in ("triton-control-key", "triton", "frontend"):
+            assert not mounts, c["name"]
+            continue
+        assert [m["mountPath"] for m in mounts] == [os.path.dirname(key_file)], c["name"]
+        assert mounts[0].get("readOnly", False) is (c["name"] != "triton-control-key"), c["name"]
+    # Never a value in a manifest: no Secret, no environment variable holding it.
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    for c in all_containers(docs):
+        assert not [e for e in c.get("env", []) if "CONTROL_KEY" in e["name"] and e["name"] != "TRITON_CONTROL_KEY_FILE"]
+
+
+def test_the_control_key_file_is_new_at_each_start_and_readable_by_its_owner_only(tmp_path: Path) -> None:
+    maker = load_script(K8S / "base" / "scripts" / "triton_control_key.py")
+    path = tmp_path / "key"
+    maker.write_key(str(path))
+    first = path.read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}", first)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o400
+    (tmp_path / "key.new").write_text("left by an interrupted start")
+    maker.write_key(str(path))  # the pod restarted: a new key replaces the old one
+    assert path.read_text() != first and stat.S_IMODE(path.stat().st_mode) == 0o400
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["key"]
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "tp", "multinode"])
+def test_gpu_triton_starts_with_its_control_apis_behind_the_pods_key(overlay: str, tmp_path: Path) -> None:
+    """Runs the Triton container's command with a `python` that prints its arguments: what launcher.mpi gets
+    (it passes options it does not know on to tritonserver, every rank)."""
+    triton = container(server_pod(render(overlay)), "triton")
+    assert triton["command"][:2] == ["/bin/sh", "-c"]
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "python").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    (fake_bin / "python").chmod(0o755)
+    key_file = tmp_path / "key"
+    key_file.write_text("ab" * 32)
+    env = {**env_of(triton), "PATH": f"{fake_bin}:/usr/bin:/bin", "ENGINE_KEY": "engine-7",
+           "TRITON_CONTROL_KEY_FILE": str(key_file)}
+    run = subprocess.run(triton["command"], env=env, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    argv = run.stdout.splitlines()
+    assert argv[:4] == ["-m", "launcher.mpi", "--model-repository", "/cache/engine-7/model_repository"]
+    assert restricted_options(argv) == restricted_argv("ab" * 32)
+    assert restricted_options(tritonserver_argv(2, "/r", extra_args=argv[4:])) == sorted(restricted_argv("ab" * 32) * 2)
+    # No key, no Triton: an empty or missing file stops the container instead of serving the APIs open.
+    key_file.write_text("")
+    assert subprocess.run(triton["command"], env=env, capture_output=True, timeout=30).returncode != 0
+
+
+# ----- the endpoint picker: how often, and which queue ---------------------------------------------------
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_endpoint_picker_scrapes_as_often_as_the_frontend_refreshes_tritons_metrics(overlay: str) -> None:
+    docs = render(overlay)
+    args = resource(docs, "Deployment", "tritonllm-endpoint-picker")["spec"]["template"]["spec"]["containers"][0]["args"]
+    [interval] = [a.split("=", 1)[1] for a in args if a.startswith("--refresh-metrics-interval=")]
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s)", interval)
+    assert match, interval
+    seconds = float(match.group(1)) / (1000 if match.group(2) == "ms" else 1)
+    frontend_env = env_of(container(server_pod(docs), "frontend"))
+    cache_s = float(frontend_env.get("TRITON_METRICS_CACHE_S", Settings.model_fields["triton_metrics_cache_s"].default))
+    assert seconds == cache_s and 0.5 <= seconds < 2, "under the picker's 2 s staleness threshold"
+    # The queue the picker routes on counts the frontend's admission queue too.
+    assert picker_metrics(docs)["queuedRequestsSpec"] == ("tritonllm_requests_waiting", {})

@@ -146,10 +146,14 @@ def test_prompt_matching_is_fast() -> None:
     long_prompt = [rng.randrange(1000) for _ in range(5000 * 2)]
     pool = BlockPool(5001, 2)
     table, _ = fill(pool, long_prompt)
-    start = time.perf_counter()
-    matched = pool.match_prefix(block_keys(long_prompt, 2))
-    assert time.perf_counter() - start < 0.5  # quadratic would be 12.5M block comparisons
-    assert matched == table
+    best = float("inf")
+    for _ in range(3):  # the best of three: one run can lose the CPU to another process on a busy machine
+        start = time.perf_counter()
+        matched = pool.match_prefix(block_keys(long_prompt, 2))
+        best = min(best, time.perf_counter() - start)
+        assert matched == table
+        pool.release(matched)
+    assert best < 0.5  # quadratic would be 12.5M block comparisons
 
 
 # ---- sharing

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import launcher.__main__ as launcher_main
+from launcher.engine_health import Problem
 from launcher.ports import PortInUseError, check_ports_free, find_free_port
 from launcher.supervise import RestartBudget, RestartBudgetExceeded, Supervisor, describe_exit
 from launcher.tritonserver import (TritonServer, TritonStartError, find_tritonserver, group_alive,
@@ -172,11 +173,14 @@ class FakeClock:
 class FakeChild:
     """A supervised process whose deaths and readiness the test scripts."""
 
-    def __init__(self, name: str, ready_timeout_s: float = 100.0) -> None:
+    def __init__(self, name: str, ready_timeout_s: float = 100.0, unhealthy_grace_s: float = 10.0) -> None:
         self.name = name
         self.ready_timeout_s = ready_timeout_s
+        self.unhealthy_grace_s = unhealthy_grace_s
         self.exit_code: int | None = None
         self.is_ready = True
+        self.problem: Problem | None = None  # what health() reports
+        self.repairs: list[Problem] = []
         self.starts = 0
         self.stops = 0
         self._pid = 100
@@ -201,6 +205,12 @@ class FakeChild:
 
     def failure_detail(self) -> str:
         return f"--- last lines of {self.name}'s log ---"
+
+    def health(self) -> Problem | None:
+        return self.problem
+
+    def repair(self, problem: Problem) -> None:
+        self.repairs.append(problem)
 
 
 def _supervisor(max_per_minute: int, *children: FakeChild) -> tuple[Supervisor, FakeClock, list[str]]:
@@ -413,3 +423,85 @@ def test_a_killed_server_leaves_no_shared_memory_after_stop(work_dir: Path, tmp_
     finally:
         server.stop()
     assert not [p.name for p in shm.iterdir() if p.name.startswith(server.shm_prefix)]
+
+
+# ----- supervision beyond process exit: an engine that no longer serves ----------------------------------
+UNLOADED = Problem("model(s) no longer loaded (m: UNAVAILABLE unloaded)", ("m",))
+DEAD_STUB = Problem("the engine model 'm' no longer serves: Stub process 'm_0_0' is not healthy.")
+
+
+def test_a_model_gone_gets_its_grace_then_a_reload_and_is_running_again_once_it_serves() -> None:
+    triton = FakeChild("tritonserver", ready_timeout_s=30, unhealthy_grace_s=10)
+    supervisor, clock, lines = _supervisor(5, triton)
+    triton.problem = UNLOADED
+    supervisor.step()
+    clock.advance(9.9)
+    supervisor.step()
+    assert triton.repairs == [] and supervisor.phase("tritonserver") == "running"  # a rollout may clear it
+    clock.advance(0.2)
+    supervisor.step()
+    assert triton.repairs == [UNLOADED] and supervisor.phase("tritonserver") == "repairing"
+    clock.advance(5)
+    supervisor.step()  # still loading: nothing more is asked of it
+    assert len(triton.repairs) == 1 and triton.starts == 0
+    triton.problem = None
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "running" and triton.starts == 0
+    assert any("reloading m" in line for line in lines) and any("serves again" in line for line in lines)
+
+
+def test_a_problem_that_clears_within_the_grace_costs_nothing() -> None:
+    triton = FakeChild("tritonserver", unhealthy_grace_s=10)
+    supervisor, clock, lines = _supervisor(5, triton)
+    triton.problem = UNLOADED
+    supervisor.step()
+    clock.advance(5)
+    triton.problem = None
+    supervisor.step()
+    clock.advance(20)
+    supervisor.step()
+    assert triton.repairs == [] and triton.starts == 0 and supervisor.phase("tritonserver") == "running"
+
+
+def test_a_reload_that_does_not_help_restarts_the_process_within_its_budget() -> None:
+    triton = FakeChild("tritonserver", ready_timeout_s=30, unhealthy_grace_s=10)
+    supervisor, clock, lines = _supervisor(5, triton)
+    triton.problem = UNLOADED
+    supervisor.step()
+    clock.advance(10)
+    supervisor.step()
+    clock.advance(30.1)
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "waiting" and triton.stops == 1
+    assert any("still does not serve 30 s after a reload" in line for line in lines)
+
+
+def test_a_dead_stub_restarts_the_process_at_once_and_counts_against_the_budget() -> None:
+    triton = FakeChild("tritonserver", unhealthy_grace_s=10)
+    supervisor, clock, lines = _supervisor(1, triton)
+    triton.problem = DEAD_STUB
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "waiting" and triton.repairs == []
+    assert "does not serve: the engine model 'm' no longer serves" in lines[-1]
+    while supervisor.phase("tritonserver") == "waiting":
+        clock.advance(0.25)
+        supervisor.step()
+    assert triton.starts == 1
+    triton.is_ready = True
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "running"
+    with pytest.raises(RestartBudgetExceeded, match="does not serve"):
+        supervisor.step()  # still dead, and the budget of 1 a minute is spent
+
+
+def test_a_model_lost_right_after_a_restart_before_any_readiness_poll_is_reloaded() -> None:
+    triton = FakeChild("tritonserver", ready_timeout_s=600, unhealthy_grace_s=10)
+    supervisor, clock, lines = _supervisor(5, triton)
+    _restart(supervisor, clock, triton)
+    assert supervisor.phase("tritonserver") == "starting"
+    triton.is_ready, triton.problem = False, UNLOADED
+    supervisor.step()
+    clock.advance(10)
+    supervisor.step()
+    assert triton.repairs == [UNLOADED], "waited for the restart's ready timeout instead"
+

@@ -1,10 +1,17 @@
 """benchmarks/metrics.py on synthetic timestamps with hand-computed answers, and the perf_analyzer export
-parser on a small hand-written export."""
+parser on a small hand-written export; the frontend's relay of Triton's metrics (frontend/metrics.py) against
+a local HTTP server."""
 
 from __future__ import annotations
 
+import asyncio
+import http.server
 import inspect
 import json
+import re
+import threading
+import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -184,3 +191,141 @@ def test_pa_level_with_a_truncated_export_runs_again(tmp_path, monkeypatch):
     monkeypatch.setattr(pa_sweep, "run_pa", lambda *args: export.write_text("{"))
     with pytest.raises(RuntimeError, match="unreadable"):
         pa_sweep.run_and_parse(["pa"], export, tmp_path / "env.sh", tmp_path / "log")
+
+
+# ----- the frontend's relay of Triton's metrics (GET /metrics with TRITON_METRICS_URL) ---------------------
+TRITON_TEXT = """# HELP nv_trt_llm_request_metrics TRT LLM request metrics
+# TYPE nv_trt_llm_request_metrics gauge
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="waiting",version="1"} 3
+nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="scheduled",version="1"} 8
+# TYPE cpu_engine_requests_waiting gauge
+cpu_engine_requests_waiting{model="tensorrt_llm",version="1"} 2
+cpu_engine_requests_waiting{model="tensorrt_llm",version="2"} 1.5
+cpu_engine_requests_waiting_other{model="tensorrt_llm"} 100
+"""
+
+
+class FakeTriton(http.server.ThreadingHTTPServer):
+    """Triton's metrics port: counts the GETs, answers TRITON_TEXT after `delay_s`."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.delay_s = 0.0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                server.hits += 1
+                time.sleep(server.delay_s)
+                body = TRITON_TEXT.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/metrics"
+
+
+@pytest.fixture
+def triton() -> Iterator[FakeTriton]:
+    server = FakeTriton()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_engine_waiting_sums_the_engines_waiting_gauges() -> None:
+    from frontend.metrics import engine_waiting
+
+    assert engine_waiting(TRITON_TEXT) == 3 + 2 + 1.5  # not `scheduled`, not a longer name
+    assert engine_waiting("") == 0.0
+
+
+async def test_triton_metrics_are_fetched_once_for_concurrent_scrapes_and_cached(triton: FakeTriton) -> None:
+    from frontend.metrics import TritonMetrics
+
+    now = [100.0]
+    relay = TritonMetrics(triton.url, timeout_s=5, max_age_s=1.0, clock=lambda: now[0])
+    triton.delay_s = 0.3
+    ticks = 0
+
+    async def ticker() -> None:  # runs all along: the fetch never blocks the event loop
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    beat = asyncio.create_task(ticker())
+    try:
+        texts = await asyncio.gather(*(relay.text() for _ in range(20)))
+    finally:
+        beat.cancel()
+    assert triton.hits == 1 and relay.fetches == 1
+    assert ticks >= 10, ticks
+    assert texts == [TRITON_TEXT.encode()] * 20
+    assert relay.engine_waiting == 6.5
+    triton.delay_s = 0.0
+    now[0] += 0.9  # younger than max_age_s: the cached text
+    assert await relay.text() == TRITON_TEXT.encode() and triton.hits == 1
+    now[0] += 0.2  # older: fetched again, once
+    await asyncio.gather(relay.text(), relay.text())
+    assert triton.hits == 2
+
+
+async def test_a_scraper_that_goes_away_does_not_cancel_the_fetch(triton: FakeTriton) -> None:
+    from frontend.metrics import TritonMetrics
+
+    relay = TritonMetrics(triton.url, timeout_s=5, max_age_s=10)
+    triton.delay_s = 0.2
+    first = asyncio.create_task(relay.text())
+    await asyncio.sleep(0.05)
+    second = asyncio.create_task(relay.text())
+    await asyncio.sleep(0)
+    first.cancel()
+    assert await second == TRITON_TEXT.encode()
+    assert triton.hits == 1
+
+
+async def test_triton_unavailable_is_a_comment_and_is_cached_too() -> None:
+    from frontend.metrics import TritonMetrics
+
+    server = FakeTriton()  # bound, then closed: nothing listens on its port
+    url = server.url
+    server.server_close()
+    relay = TritonMetrics(url, timeout_s=2, max_age_s=60)
+    text = await relay.text()
+    assert re.fullmatch(rb"# Triton's metrics at \S+ are unavailable: \w+\n", text), text
+    assert await relay.text() == text and relay.fetches == 1
+    assert relay.engine_waiting == 0.0
+    assert await TritonMetrics(None, timeout_s=2, max_age_s=1).text() == b""
+
+
+async def test_metrics_page_counts_the_frontends_queue_and_the_engines_as_waiting(triton: FakeTriton) -> None:
+    from frontend.metrics import exposition
+    from frontend.middleware import Edge
+    from frontend.settings import Settings
+
+    edge = Edge(Settings(triton_metrics_url=triton.url, triton_metrics_cache_s=5, max_in_flight=1))
+    await edge.gate.acquire(5, 1)
+    waiters = [asyncio.create_task(edge.gate.acquire(5, 1)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    try:
+        text = (await exposition(edge.metrics, edge.triton_metrics)).decode()
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+    assert re.search(r"^tritonllm_requests_queued 2\.0$", text, re.M)
+    assert re.search(r"^tritonllm_requests_waiting 8\.5$", text, re.M)  # 2 here + 6.5 in the engine
+    assert text.index("tritonllm_requests_waiting") < text.index("nv_trt_llm_request_metrics")
+    assert text.endswith(TRITON_TEXT)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,7 +111,8 @@ def test_a_build_with_other_limits_is_refused(
     assert '-  value: { string_value: "256" }' in err and '+  value: { string_value: "512" }' in err
     assert "share Triton's config" in err and "--name" in err
     assert model.versions() == [1, 2]
-    assert sorted(p.name for p in model.directory.iterdir()) == ["1", "2", "config.pbtxt", "live", "rollout.json"]
+    assert sorted(p.name for p in model.directory.iterdir()) == [".lock", "1", "2", "config.pbtxt", "live",
+                                                                 "rollout.json"]  # .lock: the model's lock
     assert model.config_path.read_bytes() == before
 
 
@@ -306,3 +311,54 @@ def test_managed_models_and_find_model(tmp_path: Path) -> None:
     assert model_store.find_model(tmp_path, NAME).name == NAME
     with pytest.raises(ModelStoreError, match="models there: assistant"):
         model_store.find_model(tmp_path, "other")
+
+
+# ----- the model's lock: builds (prune) and rollouts in different processes ----------------------------
+def test_prune_spares_what_a_rollout_in_progress_names(tmp_path: Path) -> None:
+    # A rollout from 5 to 2 (neither the previous version nor the newest) has put 2 in the policy and the link.
+    model = fake_model(tmp_path, [1, 2, 3, 4, 5], live=5, previous=4)
+    model.set_loaded([5, 2])
+    model.point_live_link(2)
+    assert model.prune(1) == [1, 3]
+    assert model.versions() == [2, 4, 5]
+    assert not [p.name for p in model.directory.iterdir() if p.name.startswith(".pruned-")]
+    # The link alone (an interrupted rollout that settle() has not repaired yet) protects its version too.
+    model = fake_model(tmp_path / "b", [1, 2, 3, 4], live=4, previous=None)
+    model.point_live_link(2)
+    assert model.prune(1) == [1, 3]
+
+
+def test_prune_in_another_process_waits_for_the_lock_then_spares_the_version_being_loaded(tmp_path: Path) -> None:
+    model = fake_model(tmp_path, [1, 2, 3, 4, 5], live=5, previous=4)
+    code = ("import sys; from pathlib import Path; from build_engine.model_store import ManagedModel; "
+            "print(ManagedModel(Path(sys.argv[1])).prune(1))")
+    repo = Path(__file__).resolve().parents[2]
+    with model.locked():  # as frontend/rollout.py does before it loads version 2
+        build = subprocess.Popen([sys.executable, "-c", code, str(model.directory)], cwd=repo,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.0)  # the child has started and reached the lock (it imports the standard library only)
+            assert build.poll() is None, build.communicate()
+            assert model.versions() == [1, 2, 3, 4, 5]
+            model.set_loaded([5, 2])
+            model.point_live_link(2)
+        except BaseException:
+            build.kill()
+            raise
+    out, err = build.communicate(timeout=60)
+    assert build.returncode == 0, err
+    assert out.strip() == "[1, 3]"
+    assert model.versions() == [2, 4, 5]
+
+
+def test_the_lock_is_exclusive_across_open_files(tmp_path: Path) -> None:
+    model = fake_model(tmp_path, [1], live=1, previous=None)
+    with model.locked():
+        fd = os.open(model.directory / model_store.LOCK_FILE, os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    with model.locked():  # released on exit: takes it again at once
+        pass

@@ -171,3 +171,18 @@ def test_admin_routes_are_closed_without_admin_keys_and_keys_do_not_cross() -> N
     as_admin = keyed.post("/v1/completions", headers={"Authorization": "Bearer admin-key"},
                           json={"model": NAME, "prompt": "hi"})
     assert as_admin.status_code == 401 and as_admin.json()["error"]["message"] == "Incorrect API key provided."
+
+
+async def test_a_prune_during_the_load_spares_the_version_being_loaded(setup) -> None:
+    """A build's prune (`make engine NAME=... KEEP_VERSIONS=1`) while version 2, older than the newest and not
+    the rollback target, is loading: the policy names it, so it stays (build_engine/model_store.py)."""
+    model, triton, registry = setup
+    triton.gate = asyncio.Event()
+    task = asyncio.create_task(Rollouts(registry, triton, grace_s=5).rollout(NAME, 2))  # type: ignore[arg-type]
+    while not triton.loads:
+        await asyncio.sleep(0)
+    assert model.prune(1) == []  # 1 live, 2 in the policy, 3 the newest
+    assert model.versions() == [1, 2, 3]
+    triton.gate.set()
+    assert (await task)["live_version"] == 2
+    assert model.prune(1) == []  # 1 is now the rollback target

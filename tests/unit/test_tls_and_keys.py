@@ -113,14 +113,14 @@ def https_port(certificate: tuple[Path, Path]) -> Iterator[int]:
     server = uvicorn.Server(build_config(_ok, settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     assert server.config.ssl is not None and server.config.ssl.minimum_version == TLS.TLSv1_2
     yield settings.frontend_port
     server.should_exit = True
-    thread.join(10)
+    thread.join(60)
 
 
 def _client(version: ssl.TLSVersion, ciphers: str | None = None) -> ssl.SSLContext:
@@ -137,7 +137,7 @@ def _client(version: ssl.TLSVersion, ciphers: str | None = None) -> ssl.SSLConte
 
 
 def _get(port: int, context: ssl.SSLContext) -> tuple[str | None, str, bytes]:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, context.wrap_socket(raw) as tls:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as raw, context.wrap_socket(raw) as tls:
         tls.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         return tls.version(), tls.cipher()[0], tls.recv(64)
 
@@ -165,12 +165,12 @@ def _handshakes_with_a_lax_server(certificate: tuple[Path, Path], context: ssl.S
         acceptor = threading.Thread(target=accept, daemon=True)
         acceptor.start()
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, context.wrap_socket(raw):
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as raw, context.wrap_socket(raw):
                 return True
         except (ssl.SSLError, OSError):
             return False
         finally:
-            acceptor.join(10)
+            acceptor.join(60)
 
 
 def test_tls_1_2_and_1_3_are_served_with_the_configured_ciphers(https_port: int) -> None:

@@ -3,11 +3,15 @@ the tensors `TritonEngine` builds (the contract double, tests/trtllm_contract, c
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+from tritonclient.utils import InferenceServerException
 
 from frontend.engine import SamplingOptions
-from frontend.triton_engine import _new_log_probs, _new_tokens, build_inputs, requested_outputs
+from frontend.triton_engine import (_new_log_probs, _new_tokens, _top_alternatives, build_inputs, error_for,
+                                    requested_outputs)
 
 
 def input_names(options: SamplingOptions) -> set[str]:
@@ -59,3 +63,30 @@ def test_new_log_probs_are_the_last_ones_of_a_growing_list() -> None:
     assert _new_log_probs(only_new, 2) == [-0.25, -0.75]
     assert _new_log_probs(Result(), 1) is None
     assert _new_log_probs(Result(output_log_probs=np.zeros((1, 1, 0), dtype=np.float32)), 1) is None
+
+
+def test_padded_top_alternatives_are_dropped_so_every_one_is_a_real_token() -> None:
+    """A guided step where the grammar allows fewer than k tokens: the engine pads its k-wide row with id 0 and
+    -inf (TensorRT-LLM's tensor shape is fixed); those are no alternatives, and -inf would reach clients as
+    `logprob: null`."""
+    ids = np.array([[[7, 3, 0, 0], [5, 9, 2, 11]]], dtype=np.int32)  # [1, tokens, k]
+    values = np.array([[[-0.1, -2.5, -np.inf, -np.inf], [-0.5, -1.0, -3.0, -4.0]]], dtype=np.float32)
+    top = _top_alternatives(Result(output_top_log_prob_ids=ids, output_top_log_probs=values), 2)
+    assert top == [[(7, pytest.approx(-0.1)), (3, -2.5)], [(5, -0.5), (9, -1.0), (2, -3.0), (11, -4.0)]]
+    assert all(math.isfinite(value) for row in top for _, value in row)
+    only_one = np.array([[[4, 0, 0]]], dtype=np.int32), np.array([[[0.0, -np.inf, np.nan]]], dtype=np.float32)
+    assert _top_alternatives(Result(output_top_log_prob_ids=only_one[0], output_top_log_probs=only_one[1]),
+                             1) == [[(4, 0.0)]]
+    assert _top_alternatives(Result(), 1) is None
+
+
+def test_a_failed_engine_refusing_new_requests_is_a_503_not_a_500() -> None:
+    """The engine is unavailable (the request never ran; a retry may reach a restarted engine); a request it
+    was running when it failed is still a 500."""
+    refused = error_for(InferenceServerException("the engine has failed and accepts no requests "
+                                                 "(RuntimeError: boom)"), "tensorrt_llm")
+    assert (refused.status, refused.type, refused.code) == (503, "server_error", "service_unavailable")
+    assert "accepts no requests" in refused.message
+    running = error_for(InferenceServerException("the engine failed and cannot serve requests (RuntimeError: boom)"),
+                        "tensorrt_llm")
+    assert (running.status, running.code) == (500, "engine_error")

@@ -1,19 +1,27 @@
 """Triton glue for the CPU engine: the TensorRT-LLM backend's tensor interface on the Python backend.
 
-Decoupled: `execute()` only parses each request and hands it to the engine loop (`cpu_engine`), which
-answers through the request's response sender: one response per new token when `streaming` is true,
+Decoupled: `execute()` only parses each request and hands it to the engine loop (`cpu_engine`; a request
+whose guide must be compiled first, to the guide-compile pool: see below), which answers through the request's response sender: one response per new token when `streaming` is true,
 one response with every token otherwise; the last response carries the FINAL flag. Shapes follow the
 TensorRT-LLM backend: `output_ids` [1, beams, len], `sequence_length` [1, beams], and so on.
 
 Guided decoding (TensorRT-LLM's inputs `guided_decoding_guide_type` and `guided_decoding_guide`): on when the
 parameter `guided_decoding_backend` is "xgrammar", with the tokenizer of the `tokenizer_dir` parameter
-(cpu_engine.guided). A request's guide is compiled (or found in the compiler's cache) in execute(), on
-Triton's thread, so the engine thread only ever runs the matchers; a guide that does not compile gets an
-error response ("invalid guided_decoding_guide ...").
+(cpu_engine.guided). execute() looks a request's guide up in the compiler's cache: a cached guide's request
+goes to the engine at once, like a request without a guide. An uncached guide is compiled on a small pool
+of threads (cpu_engine.guide_pool: 2 threads, at most 16 distinct guides compiling or waiting to, at most
+256 requests waiting for them; past that a request is refused at once with "the guide compile queue is
+full ..."), never on Triton's execute() thread, so one client's slow schemas do not hold up other requests'
+submissions, and never on the engine thread, which only ever runs the matchers. When the compile ends the
+request goes to the engine from that thread (so it may start after requests that arrived later), or gets
+its error response ("invalid guided_decoding_guide ..."). A client that goes away meanwhile is found by the
+engine's cancellation poll once the request is in the engine; a `stop` for its id answers it at once (see
+below); finalize() closes the pool, and a request whose compile ends after that gets an error response.
 
 Cancellation: a request whose client went away (Triton's `is_cancelled()`) is cancelled by identity and
 ends with a plain FINAL response; the `stop` input (TensorRT-LLM semantics: cancel the requests that
-carry this request id) ends those requests with an error response, since their clients are still there.
+carry this request id) ends those requests with an error response, since their clients are still there
+(those still waiting for their guide to compile included).
 
 If the engine thread dies (see cpu_engine.engine), every open request gets an error response, every later
 request is refused at once with an error response, and the model asks Triton to unload it, so that Triton
@@ -47,8 +55,10 @@ import triton_python_backend_utils as pb_utils
 
 from cpu_engine.config import EngineConfig
 from cpu_engine.engine import Engine
+from cpu_engine.guide_pool import GuidePool
 from cpu_engine.sampling import SampledToken, SamplingParams
-from cpu_engine.scheduler import EngineStats, FinishReason, GenerationRequest, RequestError, new_request_id
+from cpu_engine.scheduler import (STOPPED_BY_ID, EngineStats, FinishReason, GenerationRequest, RequestError,
+                                  new_request_id)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -313,6 +323,7 @@ class TritonPythonModel:
         self.engine.start()  # loads the weights and measures the machine, on the engine's own thread
         pb_utils.Logger.log_info(self.engine.describe())
         self.guide_compiler = None
+        self.guide_pool = None  # compiles uncached guides off execute()'s thread (cpu_engine.guide_pool)
         if guided_backend == "xgrammar":
             from cpu_engine.guided import GuideCompiler  # imports xgrammar: only when guided decoding is on
 
@@ -323,6 +334,7 @@ class TritonPythonModel:
             except Exception:  # the model fails to load: its engine thread must not outlive it
                 self.engine.stop()
                 raise
+            self.guide_pool = GuidePool(self.guide_compiler)
             pb_utils.Logger.log_info(f"guided decoding: xgrammar, tokenizer from {tokenizer_dir}")
 
     def _make_channel(self) -> TritonChannel:
@@ -356,14 +368,24 @@ class TritonPythonModel:
             try:
                 self._enqueue(request, sender)
             except (RequestError, ValueError) as exc:  # includes EngineFailedError: a dead engine refuses
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
+                self._refuse(sender, str(exc))
         return None
+
+    def _refuse(self, sender, message: str) -> None:
+        """Answer a request the engine does not have with its error response (FINAL): refused in execute(), or
+        later, when its guide compiled (or did not) on a guide-compile thread (a subclass may hook this:
+        tests/integration/engine_knobs.py)."""
+        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
 
     def _enqueue(self, request, sender) -> None:
         request_id = request.request_id() or new_request_id()
         if _scalar(request, "stop", False):
             # TensorRT-LLM semantics: stop=true cancels the requests that have the same request id; they
             # end with an error response ("cancelled by a stop request"), this one with an empty final one.
+            # Those still waiting for their guide first: a compile that ends meanwhile submits its requests
+            # before the pool's stop() returns, so the engine's cancel_by_id, after it, finds them.
+            if self.guide_pool is not None:
+                self.guide_pool.stop(request_id, STOPPED_BY_ID)
             self.engine.cancel_by_id(request_id)
             sender.send(flags=FINAL)
             return
@@ -395,8 +417,8 @@ class TritonPythonModel:
             bad_words=_word_list(request, "bad_words_list"),
             top_logprobs=top_logprobs,
         )
-        guide = self._guide(request)
-        self.engine.submit(GenerationRequest(
+        guide_inputs = self._guide_inputs(request)
+        generation = GenerationRequest(
             request_id=request_id,
             prompt=prompt,
             max_new_tokens=int(output_len),
@@ -405,19 +427,46 @@ class TritonPythonModel:
             sampling=sampling,
             end_id=None if end_id is None else int(end_id),
             stop_words=_word_list(request, "stop_words_list"),
-            guide=guide,
-        ))
+        )
+        if guide_inputs is not None:
+            # Not assigned to `generation` here: a compile may end, and submit it, before this returns.
+            guide = self.guide_pool.guide(*guide_inputs, request_id,
+                                          lambda guide, error: self._guide_compiled(generation, sender, guide, error))
+            if guide is None:  # compiling: submitted (or refused) by _guide_compiled, on a compile thread
+                return
+            generation.guide = guide
+        self.engine.submit(generation)
 
-    def _guide(self, request):
-        """The request's compiled guide (cpu_engine.guided.CompiledGuide), or None when it asks for none.
-        Compiled here, on Triton's thread (cached by the compiler); RequestError for a guide it cannot serve."""
+    def _guide_inputs(self, request) -> tuple[str | None, str | None] | None:
+        """The request's (guided_decoding_guide_type, guided_decoding_guide), or None when it asks for no
+        guide; RequestError when guided decoding is off."""
         guide_type = _string(request, "guided_decoding_guide_type")
         guide = _string(request, "guided_decoding_guide")
         if guide_type is None and guide is None:
             return None
-        if self.guide_compiler is None:
+        if self.guide_pool is None:
             raise RequestError("guided decoding is off on this engine (guided_decoding_backend)")
-        return self.guide_compiler.compile(guide_type, guide)
+        return guide_type, guide
+
+    def _guide_compiled(self, generation: GenerationRequest, sender, guide, error: str | None) -> None:
+        """A request's guide compiled (`guide`) or did not (`error`): submit the request, or answer its error.
+        Runs on a guide-compile thread (cpu_engine.guide_pool); once finalize() closed the pool, only with the
+        pool's error (the engine is never given a request after it stopped)."""
+        if error is None:
+            generation.guide = guide
+            try:
+                self.engine.submit(generation)
+                return
+            except (RequestError, ValueError) as exc:  # as in execute()
+                error = str(exc)
+            except Exception as exc:  # execute() would have let Triton answer it; here nobody else would
+                pb_utils.Logger.log_error(f"submitting request {generation.request_id!r} after its guide "
+                                          f"compiled failed: {type(exc).__name__}: {exc}")
+                error = f"internal error: {type(exc).__name__}: {exc}"
+        try:
+            self._refuse(sender, error)
+        except Exception as exc:  # e.g. its client went away meanwhile
+            pb_utils.Logger.log_warn(f"sending a response failed: {exc}")
 
     def _make_sink(self, sender, streaming: bool, prompt: list[int], exclude_input: bool, top_logprobs: int,
                    outputs: frozenset[str]) -> TritonSink:
@@ -425,5 +474,7 @@ class TritonPythonModel:
         return TritonSink(sender, self.channel, streaming, prompt, exclude_input, top_logprobs, outputs)
 
     def finalize(self):
+        if self.guide_pool is not None:  # first: no request may reach the engine once it stops
+            self.guide_pool.close()
         self.engine.stop()
         self.channel.close()

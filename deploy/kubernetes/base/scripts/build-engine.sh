@@ -1,19 +1,32 @@
 #!/bin/sh
-# The engine Job: build a TensorRT-LLM engine once, for every replica, into the engine-cache volume.
+# The engine Job: build the TensorRT-LLM engine named ENGINE_KEY once, for every replica, into the
+# engine-cache volume: /cache/$ENGINE_KEY/ = engine/, model_repository/ (Triton's), hf/ (the checkpoint as
+# this key serves it: tokenizer, template and configs copied, weights linked; engine_key.py).
 #
-# The cache key is what an engine depends on: the TensorRT-LLM version (an engine only loads in the version
-# that built it, i.e. the image), the tensor-parallel size and a SHA-256 of the checkpoint (the same hash
-# build_engine records in engine_config.json). A key already built is reused (build_engine --if-missing);
-# `current` then points at it, atomically, and the pods serve whatever `current` names when they start.
+# The server pods serve /cache/<ENGINE_KEY of their own pod template> (the ConfigMap tritonllm-engine in
+# base/kustomization.yaml), never a link that a later run could move: a key, once built, never changes under
+# them, whether a Triton container restarts, a frontend restarts or a pod is added. A run for a key already
+# built from the same checkpoint (SHA-256), TensorRT-LLM version (the image) and TP size does nothing; a run
+# for a key built from anything else fails. To serve another checkpoint or image: a new ENGINE_KEY, which
+# rolls the Deployment (its new pods wait for this Job; the old ones serve their key meanwhile).
 set -eu
-cache=/cache
+case "${ENGINE_KEY:-}" in
+  "" | .* | */*) echo "error: ENGINE_KEY=${ENGINE_KEY:-} is not a folder name" >&2; exit 1 ;;
+esac
+dir="/cache/$ENGINE_KEY"
 version=$(python -c 'import tensorrt_llm; print(tensorrt_llm.__version__)')
 sha=$(python -c 'import sys; from build_engine.trtllm import checkpoint_sha256; print(checkpoint_sha256(sys.argv[1]))' /models/hf)
-key="trtllm${version}-tp${TP_SIZE}-$(printf %.16s "$sha")"
-echo "engine cache key: $key"
-# What `make engine BACKEND=trtllm MODEL=/models/hf` runs, with the TP size and the cache folder.
-python -m build_engine --backend trtllm --model /models/hf --output-dir "$cache/$key" \
-  --tp-size "$TP_SIZE" --if-missing
-ln -sfn "$key" "$cache/.current.tmp"
-mv -T "$cache/.current.tmp" "$cache/current"
-echo "serving $cache/current -> $key"
+echo "engine key $ENGINE_KEY: TensorRT-LLM $version, TP size $TP_SIZE, checkpoint SHA-256 $sha"
+status=0
+python /scripts/engine_key.py built "$dir" "$version" "$TP_SIZE" "$sha" || status=$?
+case $status in
+  0) exit 0 ;;   # built already, from the same checkpoint, image and TP size
+  10) ;;         # not built yet (or a run that did not finish: the build starts over)
+  *) exit 1 ;;   # built from something else: refused (engine_key.py said why)
+esac
+rm -rf "$dir/hf"
+python /scripts/engine_key.py snapshot /models/hf "$dir/hf"
+# What `make engine BACKEND=trtllm MODEL=...` runs, from the snapshot (its configs then name /cache/$ENGINE_KEY/hf,
+# served as model "hf" like /models/hf), with the TP size and the key's folder. engine_config.json comes last.
+python -m build_engine --backend trtllm --model "$dir/hf" --output-dir "$dir" --tp-size "$TP_SIZE"
+echo "built $dir: the server pods whose ENGINE_KEY is $ENGINE_KEY serve it"
