@@ -18,6 +18,7 @@ as a death (a busy engine may be slow to take it); a missing model and a dead st
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import sys
 import uuid
@@ -148,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     """Kubernetes' liveness probe of the Triton container: exit 1 when the engine model is not ready or its
     stub is dead (a probe that gets no answer in time passes: busy is alive)."""
     parser = argparse.ArgumentParser(prog="python -m launcher.engine_health", description=main.__doc__)
-    parser.add_argument("--grpc-url", default="127.0.0.1:8001")
-    parser.add_argument("--model", action="append", required=True, help="an engine model (repeatable)")
+    parser.add_argument("--grpc-url", default=f"127.0.0.1:{os.environ.get('TRITON_GRPC_PORT') or 8001}",
+                        help="Triton's gRPC endpoint (default: 127.0.0.1:$TRITON_GRPC_PORT, else :8001)")
+    parser.add_argument("--model", action="append",
+                        help="an engine model, repeatable (default: $ENGINE_MODEL, else tensorrt_llm)")
     args = parser.parse_args(argv)
+    args.model = args.model or [os.environ.get("ENGINE_MODEL") or "tensorrt_llm"]
     client = grpcclient.InferenceServerClient(args.grpc_url)
     try:
         for model in args.model:

@@ -21,6 +21,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,7 +30,7 @@ import httpx
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.integration.conftest import read_stream
+from tests.integration.conftest import Stack, read_stream
 from tests.integration.test_supervision import (SLOW, TRITON, Launcher, _children, repository,  # noqa: F401
                                                 wait_status)
 
@@ -123,3 +125,16 @@ async def test_control_api_needs_the_key_and_the_engine_heals_from_a_dead_stub_a
         raise
     finally:
         launcher.stop()
+
+
+def test_the_liveness_probe_passes_a_serving_engine_and_fails_a_model_that_is_not_loaded(stack: Stack) -> None:
+    """`python -m launcher.engine_health`, the CPU pod's Triton liveness probe, against the session's Triton."""
+    port = stack.triton_grpc_url.rsplit(":", 1)[1]
+
+    def probe(model: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "launcher.engine_health"], capture_output=True, text=True,
+                              env={**os.environ, "TRITON_GRPC_PORT": port, "ENGINE_MODEL": model}, timeout=120)
+
+    assert probe("tensorrt_llm").returncode == 0
+    gone = probe("tensorrt_llm_never_loaded")
+    assert gone.returncode == 1 and "not ready" in gone.stderr

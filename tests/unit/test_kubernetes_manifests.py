@@ -526,13 +526,19 @@ def test_triton_is_alive_while_the_engine_model_is_ready(overlay: str,
     # The model the probes ask for is the one the frontend serves (ENGINE_MODEL of both containers).
     assert env_of(triton)["ENGINE_MODEL"] == env_of(frontend)["ENGINE_MODEL"] == launcher_config.engine_model
     live, startup = triton["livenessProbe"], triton["startupProbe"]
+    # What follows the engine model's ready route; the CPU overlay's liveness is launcher.engine_health
+    # instead (its stub can die with the model still READY), tested against the real Triton in
+    # tests/integration/test_self_healing.py, on the container's own ports.
+    http_probes = [startup] if overlay == "cpu" else [live, startup]
+    if overlay == "cpu":
+        assert live["exec"]["command"] == ["python", "-m", "launcher.engine_health"]
+        assert {"TRITON_GRPC_PORT", "ENGINE_MODEL"} <= set(env_of(triton))
     target = ProbeTarget()
     try:
-        assert target.run(live, env_of(triton)) == 0
-        assert target.run(startup, env_of(triton)) == 0
+        assert [target.run(probe, env_of(triton)) for probe in http_probes] == [0] * len(http_probes)
         target.model_ready = False  # unloaded itself (engine thread dead) or its stub died: the process lives on
-        assert target.run(live, env_of(triton)) != 0, "liveness must fail when the engine model is not ready"
-        assert target.run(startup, env_of(triton)) != 0
+        assert 0 not in [target.run(probe, env_of(triton)) for probe in http_probes], \
+            "liveness must fail when the engine model is not ready"
     finally:
         target.close()
     assert "/v2/health/live" not in live["exec"]["command"][-1]
@@ -540,7 +546,7 @@ def test_triton_is_alive_while_the_engine_model_is_ready(overlay: str,
     # unready by name (frontend/rollout.py loads the new version beside the live one). The startup probe,
     # which holds the liveness probe off until it passes, covers an engine load (the launcher's timeout).
     assert live["periodSeconds"] * live["failureThreshold"] >= 60
-    assert live["timeoutSeconds"] > 5  # the script's own timeout
+    assert live["timeoutSeconds"] > 5  # the script's own timeout (engine_health: 5 s a probe, plus the connect)
     assert startup["periodSeconds"] * startup["failureThreshold"] >= launcher_config.triton_ready_timeout_s
 
 
