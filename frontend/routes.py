@@ -10,6 +10,7 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 
 from frontend.admission import TokenDemand
+from frontend.chat_plan import ChatPlan
 from frontend.engine import Guide
 from frontend.errors import OpenAIError, invalid_request, service_unavailable
 from frontend.json_body import OffLoopJSONRoute, parsed_json
@@ -20,7 +21,7 @@ from frontend.responses import GenerationResponse
 from frontend.schemas import (MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               ModelCard, ModelList, SamplingFields, TokenizeRequest, now, raw_prompts)
 from frontend.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs, resolve_max_tokens
-from frontend.structured import answer_parsing, chat_guide, extension_guide
+from frontend.structured import extension_guide
 
 router = APIRouter(route_class=OffLoopJSONRoute)  # large JSON bodies are parsed off the event loop
 T = TypeVar("T")
@@ -203,14 +204,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Gene
     limits(request).check_stops(req.stop_strings)
     context = await model_context(request, req.model)
     check_top_logprobs(req.num_top_logprobs, context, "top_logprobs")
-    guide = chat_guide(req)
+    plan = ChatPlan.build(req, context)  # the tools rendered, the guide and the answer's parsers, together
     check_fits_context(messages_text(req.messages), context, "messages")
-    tools = [tool.as_template_input() for tool in req.tools] if req.tools else None
     prompt_ids = await off_loop(request, context.tokenizer.apply_chat_template,
-                                [m.as_template_input() for m in req.messages], tools)
-    parsing = answer_parsing(req, context, prompt_ids)
+                                [m.as_template_input() for m in req.messages], plan.template_tools)
+    plan = plan.for_prompt(context.tokenizer, prompt_ids)
     top = req.num_top_logprobs if req.logprobs else None
-    generation = await new_generation(request, req, context, [prompt_ids], top, "messages", guide, parsing)
+    generation = await new_generation(request, req, context, [prompt_ids], top, "messages", plan.guide,
+                                      plan.parsing)
     renderer = ChatRenderer(context.served_model_name, generation.indexes, top, context.tokenizer)
     return GenerationResponse(generation, renderer, stream=req.stream, include_usage=req.include_usage,
                               request_id=request_context(request).request_id)

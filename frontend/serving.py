@@ -186,14 +186,17 @@ def token_infos(chunk: TokenChunk, options: SamplingOptions) -> list[TokenInfo]:
 
 
 async def generate_choice(engine: LLMEngine, tokenizer: Tokenizer, job: ChoiceJob, stop: list[str],
-                          usage: UsageCounter, timer: TokenTimer | None = None) -> AsyncIterator[TextDelta]:
+                          usage: UsageCounter, timer: TokenTimer | None = None,
+                          markers: tuple[str, ...] = ()) -> AsyncIterator[TextDelta]:
     """Yield text deltas (never empty, never part of a stop string), the last with its finish reason.
 
     Tokens are taken one at a time even when the engine sends several together, so that the engine
     request ends (the iterator is closed, which cancels it) at the token that completes a stop string,
     and that usage and logprobs hold exactly the tokens up to and including that one."""
     options = job.request.options
-    detokenizer = tokenizer.detokenizer(job.request.prompt_ids)
+    # `markers`: special tokens kept in the text for a tool-call parser (AnswerParsing.markers)
+    detokenizer = tokenizer.detokenizer(job.request.prompt_ids, markers) if markers else \
+        tokenizer.detokenizer(job.request.prompt_ids)
     matcher = StopStringMatcher(stop)
     pending: list[TokenInfo] = []
     generated = 0
@@ -225,10 +228,17 @@ async def generate_choice(engine: LLMEngine, tokenizer: Tokenizer, job: ChoiceJo
 @dataclass(frozen=True)
 class AnswerParsing:
     """How a chat answer's text is taken apart, per choice: reasoning first (`<think>...</think>`), then
-    tool calls in what remains. Each factory makes one parser per choice (parsers keep state)."""
+    tool calls in what remains. Each factory makes one parser per choice (parsers keep state). Which
+    parsers, and how they start, is the request's chat plan's decision (frontend/chat_plan.py)."""
 
     reasoning: Callable[[], ReasoningParser] | None = None
     tool_calls: Callable[[], ToolCallParser] | None = None
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The special tokens the tool-call parser finds calls after (Mistral's `[TOOL_CALLS]`, Llama 3.1's
+        `<|python_tag|>`): the detokenizer drops special tokens from the text, but must keep these."""
+        return tuple(getattr(self.tool_calls(), "SPECIAL_MARKERS", ())) if self.tool_calls is not None else ()
 
     def __bool__(self) -> bool:
         return self.reasoning is not None or self.tool_calls is not None
@@ -329,7 +339,8 @@ class Generation:
 
     async def _choice(self, job: ChoiceJob, on_delta: DeltaHandler) -> None:
         timer = self.hooks.timer() if self.hooks is not None else None
-        deltas = generate_choice(self.engine, self.tokenizer, job, self.stop, self.usage, timer)
+        deltas = generate_choice(self.engine, self.tokenizer, job, self.stop, self.usage, timer,
+                                 self.parsing.markers)
         if self.parsing:
             deltas = parse_answer(deltas, self.parsing)
         async with aclosing(deltas):

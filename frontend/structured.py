@@ -1,5 +1,5 @@
-"""Structured output: from OpenAI's request fields to the engine's guide (checked before it reaches the engine)
-and to the parsers that read the answer back.
+"""Structured output: from OpenAI's request fields to the engine's guide (checked before it reaches the engine).
+The parsers that read the answer back are chosen with the guide, in frontend/chat_plan.py.
 
 Both engines take TensorRT-LLM's guided-decoding interface (a guide type and its text; xgrammar runs it), so
 what a request asks for is turned into one `Guide` here:
@@ -14,7 +14,6 @@ failure); regexes and grammars are checked by the engine's compiler, whose refus
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any
 
@@ -22,15 +21,10 @@ import jsonschema
 
 from frontend.engine import Guide
 from frontend.errors import invalid_request
-from frontend.model_context import ModelContext
-from frontend.reasoning import REASONING_PARSERS, prompt_opens_reasoning
 from frontend.schemas import ChatCompletionRequest, GuidedFields, NamedToolChoice, ToolDefinition
-from frontend.serving import AnswerParsing
-from frontend.tool_parsers import PARSERS, named_parser
 
 MAX_SCHEMA_BYTES = 100_000  # a guide is compiled by the engine: bounded like any other client input
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-REASONING_PROMPT_TAIL = 16  # prompt tokens whose text says whether the template opened a <think>
 
 
 def check_schema(schema: Any, param: str) -> str:
@@ -112,29 +106,3 @@ def chat_guide(req: ChatCompletionRequest) -> Guide | None:
         raise invalid_request(f"{guides[0].param} and {guides[1].param} both constrain the output; give one",
                               guides[1].param)
     return guides[0] if guides else None
-
-
-def answer_parsing(req: ChatCompletionRequest, context: ModelContext, prompt_ids: list[int]) -> AnswerParsing:
-    """How this request's answers are read: the reasoning parser if the server has one (starting inside
-    the reasoning when the template opened it in the prompt), and the tool-call parser its tool_choice
-    needs (the guided forms for "required" and a named tool, the model family's for "auto")."""
-    reasoning = None
-    if context.reasoning_parser:
-        parser, opened = REASONING_PARSERS[context.reasoning_parser], prompt_opens_reasoning(
-            context.tokenizer.decode(prompt_ids[-REASONING_PROMPT_TAIL:]))
-        reasoning = functools.partial(parser, starts_in_reasoning=opened)
-    choice = req.effective_tool_choice
-    if isinstance(choice, NamedToolChoice):
-        name = choice.function.name
-        # Guided: the grammar makes the call certain as it comes, so its arguments stream as they arrive.
-        return AnswerParsing(reasoning, lambda: named_parser(name, stream_arguments=True))
-    if choice == "required":
-        return AnswerParsing(reasoning, lambda: PARSERS["required"](stream_arguments=True))
-    if choice == "auto":
-        if context.tool_call_parser is None:
-            raise invalid_request(
-                "tool_choice auto needs to know how this model writes tool calls, and its chat template does "
-                "not say: start the frontend with TOOL_CALL_PARSER (hermes, llama3_json or mistral), or use "
-                "tool_choice required or a named tool", "tool_choice")
-        return AnswerParsing(reasoning, PARSERS[context.tool_call_parser])
-    return AnswerParsing(reasoning)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from transformers import AutoTokenizer
 
@@ -42,6 +42,20 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    @functools.cached_property
+    def _skipped_special_tokens(self) -> dict[int, str]:
+        """The tokens `decode` drops (the special tokens, as this tokenizer's backend marks them), with
+        their text: found by decoding each candidate both ways, so it is exactly what `decode` does."""
+        candidates = set(self._tok.all_special_ids) | set(self._tok.added_tokens_decoder)
+        return {token_id: text for token_id in sorted(candidates)
+                if not self.decode([token_id]) and (text := self._token_text(token_id))}
+
+    def _decode_keeping(self, kept: frozenset[int], ids: list[int]) -> str:
+        """`decode`, but the special tokens in `kept` are written out as their text."""
+        skipped = self._skipped_special_tokens
+        return self._tok.decode([i for i in ids if i in kept or i not in skipped], skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
 
     def _token_text(self, token_id: int) -> str:
         """One token's text on its own (special tokens included), for logprobs."""
@@ -92,5 +106,12 @@ class Tokenizer:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
-    def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.decode, prompt_tail=prompt_ids)
+    def detokenizer(self, prompt_ids: list[int], markers: Collection[str] = ()) -> IncrementalDetokenizer:
+        """Text deltas of the generated tokens, special tokens dropped, except those of `markers` that are
+        special tokens here: a tool-call parser reads its calls after them (Mistral's `[TOOL_CALLS]`,
+        Llama 3.1's `<|python_tag|>`), so they must stay in the text it reads."""
+        kept = frozenset(i for i, text in self._skipped_special_tokens.items() if text in markers) \
+            if markers else frozenset()
+        if not kept:
+            return IncrementalDetokenizer(self.decode, prompt_tail=prompt_ids)
+        return IncrementalDetokenizer(functools.partial(self._decode_keeping, kept), prompt_tail=prompt_ids)

@@ -12,11 +12,17 @@ import math
 import re
 from typing import Any, Iterator
 
+from pathlib import Path
+
+import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.integration.conftest import QWEN_SERVED_NAME, Stack
+from benchmarks.servers import stop_process, wait_http_ok
+from build_engine.demo_checkpoint import CHATML_TEMPLATE
+from launcher.ports import find_free_port
+from tests.integration.conftest import QWEN_SERVED_NAME, Stack, start_frontend
 
 pytestmark = pytest.mark.integration
 
@@ -165,6 +171,46 @@ def test_auto_tool_choice_answers(family: tuple[openai.OpenAI, str]) -> None:
     choice = answer.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     assert "<tool_call>" not in (choice.message.content or "")
+
+
+def test_guided_answers_are_content_and_calls_when_the_template_opens_think(stack: Stack, tmp_path: Path) -> None:
+    """A reasoning parser on and a chat template whose generation prompt ends with `<think>` (Qwen3-2507
+    thinking, QwQ): the grammar holds from the first token, so a guided answer has no reasoning and no
+    `</think>`; the JSON is the content and the named call is a call, not `reasoning_content`."""
+    template = tmp_path / "thinking.jinja"
+    generation_prompt = "<|im_start|>assistant\n{% endif %}"
+    assert CHATML_TEMPLATE.endswith(generation_prompt)
+    template.write_text(CHATML_TEMPLATE.replace(generation_prompt, "<|im_start|>assistant\n<think>\n{% endif %}"))
+    port = find_free_port()
+    frontend = start_frontend(stack.triton_grpc_url, port, tmp_path / "frontend.log",
+                              TOKENIZER_DIR=str(stack.checkpoint_dir), CHAT_TEMPLATE=str(template),
+                              REASONING_PARSER="think")
+    try:
+        root = f"http://127.0.0.1:{port}"
+        wait_http_ok(f"{root}/health/ready", 120, frontend)
+        ids = httpx.post(f"{root}/tokenize", json={"model": stack.model, "messages": MESSAGES}, timeout=60).json()
+        prompt = httpx.post(f"{root}/detokenize", json={"model": stack.model, "tokens": ids["tokens"]}, timeout=60)
+        assert prompt.json()["prompt"].endswith("<think>\n")  # the template opens the reasoning
+        client = openai.OpenAI(base_url=f"{root}/v1", api_key="unused", max_retries=0, timeout=300)
+
+        response_format = {"type": "json_schema",
+                           "json_schema": {"name": "plan", "schema": PLAN_SCHEMA, "strict": True}}
+        answers = client.chat.completions.create(model=stack.model, messages=MESSAGES, n=4, seed=7, temperature=1.0,
+                                                 max_tokens=400, response_format=response_format)
+        for choice in answers.choices:
+            assert choice.finish_reason == "stop" and not getattr(choice.message, "reasoning_content", None)
+            jsonschema.Draft202012Validator(PLAN_SCHEMA).validate(json.loads(choice.message.content))
+
+        named = {"type": "function", "function": {"name": "get_time"}}
+        calls = client.chat.completions.create(model=stack.model, messages=MESSAGES, tools=TOOLS, tool_choice=named,
+                                               n=4, seed=3, temperature=1.0, max_tokens=200)
+        for choice in calls.choices:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            assert not getattr(choice.message, "reasoning_content", None)
+            [call] = choice.message.tool_calls
+            check_call(call, {"get_time"})
+    finally:
+        stop_process(frontend)
 
 
 @pytest.mark.parametrize(("body", "param"), [
