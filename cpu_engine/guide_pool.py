@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from cpu_engine.scheduler import RequestError
+from cpu_engine.types import RequestError
 
 log = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 import xgrammar as xgr
 
-from cpu_engine.scheduler import GuideStatus, RequestError
+from cpu_engine.types import GuideStatus, RequestError
 
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 JSON_TYPES = frozenset({"json", "json_schema"})

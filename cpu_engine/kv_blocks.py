@@ -15,57 +15,27 @@ here ever needs copy-on-write.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from hashlib import blake2b
 
-__all__ = ["BlockKey", "BlockPool", "NoFreeBlocks", "block_keys"]
+__all__ = ["BlockKey", "BlockPool", "NoFreeBlocks", "block_key", "block_keys"]
+
+BlockKey = bytes  # a 16-byte digest naming a full block's contents and everything before them (block_key)
 
 
 class NoFreeBlocks(RuntimeError):
     """allocate() asked for more blocks than are free."""
 
 
-class BlockKey:
-    """Identity of a full block's contents: the token ids of the block and the key of the block before it
-    (None for a sequence's first block).
-
-    Chaining on the parent makes a key stand for the whole prefix up to the end of its block, since K/V
-    at a position depend on every token before it: equal tokens after different prefixes are different
-    contents. The hash, hash((parent hash or 0, tokens)), is computed once here, so hashing is O(1) however
-    long the chain. Equality is exact (a hash collision never shares a block) and written as a loop, so a
-    chain of thousands of blocks compares without recursion; it stops as soon as both sides reach the
-    same parent object, so keys built on the canonical keys returned by BlockPool.register compare in O(1).
-    """
-
-    __slots__ = ("parent", "tokens", "_hash")
-
-    def __init__(self, parent: BlockKey | None, tokens: tuple[int, ...]) -> None:
-        self.parent = parent
-        self.tokens = tokens if type(tokens) is tuple else tuple(tokens)
-        self._hash = hash((0 if parent is None else parent._hash, self.tokens))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
-        if not isinstance(other, BlockKey):
-            return NotImplemented
-        a, b = self, other
-        while True:
-            if a._hash != b._hash or a.tokens != b.tokens:
-                return False
-            a_parent, b_parent = a.parent, b.parent
-            if a_parent is b_parent:  # the same parent object (or both None): the rest of the chains is equal
-                return True
-            if a_parent is None or b_parent is None:
-                return False
-            a, b = a_parent, b_parent
-
-    def __repr__(self) -> str:  # not the parent's repr: a long chain would print the whole prompt
-        parent = "None" if self.parent is None else f"<{self.parent._hash:#x}>"
-        return f"BlockKey(parent={parent}, tokens={self.tokens!r})"
+def block_key(parent: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
+    """The key of a full block holding `tokens` after the block keyed `parent` (None: a first block):
+    blake2b(parent || token ids as int64, 128 bits), vLLM's digest chain. Chaining on the parent makes a
+    key stand for the whole prefix up to the end of its block, since K/V at a position depend on every
+    token before it; keys are hashed and compared in O(1) however long the chain. Two different contents
+    share a block only if their 128-bit digests collide, which nothing running here will ever see."""
+    return blake2b((parent or b"") + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 def block_keys(tokens: Sequence[int], block_size: int, parent: BlockKey | None = None) -> list[BlockKey]:
@@ -75,11 +45,11 @@ def block_keys(tokens: Sequence[int], block_size: int, parent: BlockKey | None =
     """
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, not {block_size}")
-    if not isinstance(tokens, (list, tuple)):  # a tensor or array: its elements would hash by identity
+    if not isinstance(tokens, (list, tuple)):  # a tensor or array: plain ints for the digest
         tokens = [int(token) for token in tokens]
     keys: list[BlockKey] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = BlockKey(parent, tuple(tokens[start:start + block_size]))
+        parent = block_key(parent, tokens[start:start + block_size])
         keys.append(parent)
     return keys
 
@@ -108,8 +78,8 @@ class BlockPool:
         self.block_size = block_size
         self.enable_reuse = enable_reuse
         self._refcounts: list[int] = [0] * num_blocks
-        self._keys: list[BlockKey | None] = [None] * num_blocks  # the canonical key each block holds
-        self._cached: dict[BlockKey, int] = {}  # canonical key -> the block holding it (used or free)
+        self._keys: list[BlockKey | None] = [None] * num_blocks  # the key each block holds
+        self._cached: dict[BlockKey, int] = {}  # key -> the block holding it (used or free)
         # Free blocks, in the order allocate() takes them: every uncached one, then the cached ones
         # least recently released first.
         self._free_uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -165,58 +135,38 @@ class BlockPool:
 
         Each returned block gets one more reference (a free one leaves the eviction order), so the caller
         owns them like allocated ones and gives them back with release. [] when reuse is off.
-
-        A chain from block_keys is made of fresh keys, and comparing a fresh key with a stored one would
-        walk both chains back to the start. Once key i has been found, key i+1 (when its parent is key i)
-        is looked up on the stored key of block i instead: the same hash and contents, and the comparison
-        ends at the shared parent, so matching a prompt is linear in its length.
         """
         if not self.enable_reuse:
             return []
         cached, refcounts, free_cached = self._cached, self._refcounts, self._free_cached
         blocks: list[int] = []
-        previous: BlockKey | None = None  # keys[i - 1]
-        stored: BlockKey | None = None  # the canonical key of the block matched for keys[i - 1]
         for key in keys:
-            probe = key
-            if stored is not None and key.parent is previous and key.parent is not stored:
-                probe = BlockKey.__new__(BlockKey)
-                probe.parent, probe.tokens, probe._hash = stored, key.tokens, key._hash
-            block = cached.get(probe)
+            block = cached.get(key)
             if block is None:
                 break
             if refcounts[block] == 0:
                 del free_cached[block]
             refcounts[block] += 1
             blocks.append(block)
-            previous, stored = key, self._keys[block]
         return blocks
 
-    def register(self, block: int, key: BlockKey) -> BlockKey:
+    def register(self, block: int, key: BlockKey) -> None:
         """Record that `block` (refcount >= 1, full, no key yet) now holds `key`'s contents, so later
         prompts can share it.
 
-        If another block already holds an equal key (two prompts with the same prefix read it at the same
-        time), nothing changes and that existing canonical key is returned: the first copy stays the shared
-        one and this block stays private, freed uncached at the end. Otherwise `key` is returned. Callers
-        build the next block's key on the RETURNED key, so every stored chain runs through canonical
-        parents and comparing keys stops at the first block. No-op returning key when reuse is off.
+        If a block already holds `key` (two prompts with the same prefix read it at the same time), nothing
+        changes: the first copy stays the shared one and this block stays private, freed uncached at the
+        end. No-op when reuse is off.
         """
         self._check_id(block)
         if self._refcounts[block] < 1:
             raise ValueError(f"block {block} is free: only a block in use can be registered")
-        if not self.enable_reuse:
-            return key
-        existing = self._cached.get(key)
-        if existing is not None:
-            canonical = self._keys[existing]
-            assert canonical is not None
-            return canonical
+        if not self.enable_reuse or key in self._cached:
+            return
         if self._keys[block] is not None:
             raise ValueError(f"block {block} already holds other contents ({self._keys[block]!r})")
         self._keys[block] = key
         self._cached[key] = block
-        return key
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference from each block; blocks reaching 0 become free.
@@ -277,7 +227,7 @@ class BlockPool:
             _require(keys[block] is not None, f"cached free block {block} holds no key")
         for key, block in self._cached.items():
             _require(0 <= block < self.num_blocks, f"key maps to a block out of range: {block}")
-            _require(keys[block] is key, f"block {block} does not hold the key it is cached under")
+            _require(keys[block] == key, f"block {block} does not hold the key it is cached under")
         holding = sum(key is not None for key in keys)
         _require(holding == len(self._cached), f"{holding} blocks hold keys, {len(self._cached)} are cached")
         _require(self.enable_reuse or not self._cached, "keys cached with reuse off")

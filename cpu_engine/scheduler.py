@@ -44,9 +44,10 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-from cpu_engine.kv_blocks import BlockKey, BlockPool, block_keys
+from cpu_engine.kv_blocks import BlockKey, BlockPool, block_key, block_keys
 from cpu_engine.runner import Chunk
 from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
+from cpu_engine.types import GuideStatus, RequestError
 
 if TYPE_CHECKING:  # cpu_engine.guided imports xgrammar: only loaded once a guided request arrives
     from cpu_engine.guided import CompiledGuide, GuideMasks, GuideState
@@ -59,14 +60,6 @@ class FinishReason(str, enum.Enum):
     STOP_WORDS = "stop_words"
     LENGTH = "length"
     CANCELLED = "cancelled"
-
-
-class GuideStatus(enum.Enum):
-    """What a guided sequence's grammar allows after its mask is filled (cpu_engine.guided.GuideState.fill)."""
-
-    OPEN = "open"  # more tokens may follow
-    COMPLETE = "complete"  # the grammar can only end here: the sequence ends
-    DEAD = "dead"  # no token is allowed and the grammar cannot end (a grammar the vocabulary cannot finish)
 
 
 class ResponseSink(Protocol):
@@ -86,10 +79,6 @@ class Forward(Protocol):
 
     def forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
                 chunks: list[Chunk], logits_rows: list[int]) -> torch.Tensor: ...
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message goes back to the client as is."""
 
 
 STOPPED_BY_ID = "the request was cancelled by a stop request"
@@ -492,8 +481,9 @@ class Scheduler:
             return
         tokens = seq.tokens
         for index in range(len(seq.keys), full):
-            key = BlockKey(seq.keys[-1] if seq.keys else None, tuple(tokens[index * block_size:(index + 1) * block_size]))
-            seq.keys.append(self.blocks.register(seq.blocks[index], key))
+            parent = seq.keys[-1] if seq.keys else None
+            seq.keys.append(block_key(parent, tokens[index * block_size:(index + 1) * block_size]))
+            self.blocks.register(seq.blocks[index], seq.keys[-1])
 
     def _start_guide(self, seq: Sequence) -> None:
         """Give a guided sequence its matcher (kept when it is preempted) and its mask row; one whose grammar
