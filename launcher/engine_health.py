@@ -37,10 +37,12 @@ STUB_DEAD = "is not healthy"  # the Python backend's answer once a model's stub 
 @dataclass(frozen=True)
 class Problem:
     """Why the engine is not serving. `missing`: loaded models that are no longer loaded, which loading them
-    again may fix; empty when only a restart can (a dead stub)."""
+    again may fix. `definitive`: only a restart can fix it, and waiting will not (a dead stub); anything
+    else may be passing (Triton busy or starting) and is given time first."""
 
     reason: str
     missing: tuple[str, ...] = ()
+    definitive: bool = False
 
     @property
     def reloadable(self) -> bool:
@@ -130,7 +132,7 @@ class EngineHealth:
         for model in sorted(ready & set(self._engine_models())):
             dead = self._probe(self._grpc_url, model)
             if dead is not None:
-                return Problem(f"the engine model {model!r} no longer serves: {dead}")
+                return Problem(f"the engine model {model!r} no longer serves: {dead}", definitive=True)
         return None
 
     def reload(self, models: Iterable[str]) -> None:

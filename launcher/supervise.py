@@ -15,8 +15,9 @@ Why more than process exit: a process can be alive and still not serve. tritonse
 (an engine-thread crash unloads the model; a killed Python-backend stub leaves a model that answers
 nothing: launcher/engine_health.py). A child may therefore report a `health()` problem. One that loading
 the model again can fix is given `unhealthy_grace_s` to clear by itself (a rollout's reload, say), then a
-reload (`repair()`, off the poll loop) and `ready_timeout_s` to take effect; one that cannot (a dead stub),
-or a reload that does not help, is a death like any other: restart, back-off, budget, log.
+reload (`repair()`, off the poll loop) and `ready_timeout_s` to take effect. One that only a restart fixes is a
+death like any other (restart, back-off, budget, log): at once when it is definitive (a dead stub), after the
+same grace when it may pass (Triton not answering: busy, or still starting), and when a reload did not help.
 
 Everything here is driven by `Supervisor.step()`, called from the launcher's poll loop, and a clock that
 tests replace; nothing sleeps, so a Ctrl+C is never held up by a back-off.
@@ -223,17 +224,22 @@ class Supervisor:
                 self._log(f"launcher: {child.name} serves again by itself")
             track.unhealthy_since = None
             return
-        if not problem.reloadable:
+        if problem.definitive:
             self._died(track, f"does not serve: {problem.reason}", now)
             return
         if track.unhealthy_since is None:
             track.unhealthy_since = now
-            self._log(f"launcher: {child.name}: {problem.reason}; reloading in {child.unhealthy_grace_s:.0f} s "
+            then = "reloading" if problem.reloadable else "restarting"
+            self._log(f"launcher: {child.name}: {problem.reason}; {then} in {child.unhealthy_grace_s:.0f} s "
                       "unless that clears")
-        elif now - track.unhealthy_since >= child.unhealthy_grace_s:
+        elif now - track.unhealthy_since < child.unhealthy_grace_s:
+            return
+        elif problem.reloadable:
             track.phase, track.started_at = "repairing", now
             self._log(f"launcher: {child.name}: reloading {', '.join(problem.missing)} ({problem.reason})")
             child.repair(problem)
+        else:
+            self._died(track, f"does not serve for {now - track.unhealthy_since:.0f} s: {problem.reason}", now)
 
     def _died(self, track: _Track, how: str, now: float) -> None:
         child = track.child

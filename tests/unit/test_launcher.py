@@ -427,7 +427,8 @@ def test_a_killed_server_leaves_no_shared_memory_after_stop(work_dir: Path, tmp_
 
 # ----- supervision beyond process exit: an engine that no longer serves ----------------------------------
 UNLOADED = Problem("model(s) no longer loaded (m: UNAVAILABLE unloaded)", ("m",))
-DEAD_STUB = Problem("the engine model 'm' no longer serves: Stub process 'm_0_0' is not healthy.")
+DEAD_STUB = Problem("the engine model 'm' no longer serves: Stub process 'm_0_0' is not healthy.", definitive=True)
+NOT_ANSWERING = Problem("Triton's repository index is not answering (connection refused)")
 
 
 def test_a_model_gone_gets_its_grace_then_a_reload_and_is_running_again_once_it_serves() -> None:
@@ -504,4 +505,38 @@ def test_a_model_lost_right_after_a_restart_before_any_readiness_poll_is_reloade
     clock.advance(10)
     supervisor.step()
     assert triton.repairs == [UNLOADED], "waited for the restart's ready timeout instead"
+
+
+def test_a_passing_problem_seen_while_starting_does_not_restart_what_just_became_ready() -> None:
+    # Checked while Triton was still starting (not answering yet), then ready: that stale answer is given the
+    # grace like any passing problem, and the next check clears it. (It once restarted a fresh Triton.)
+    triton = FakeChild("tritonserver", ready_timeout_s=600, unhealthy_grace_s=10)
+    supervisor, clock, lines = _supervisor(5, triton)
+    _restart(supervisor, clock, triton)
+    triton.is_ready, triton.problem = False, NOT_ANSWERING
+    supervisor.step()
+    triton.is_ready = True
+    supervisor.step()
+    supervisor.step()  # running, the stale problem still reported
+    assert supervisor.phase("tritonserver") == "running" and triton.starts == 1
+    clock.advance(2)
+    triton.problem = None
+    supervisor.step()
+    clock.advance(30)
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "running" and triton.starts == 1 and triton.stops == 1
+
+
+def test_triton_not_answering_for_the_grace_is_restarted() -> None:
+    triton = FakeChild("tritonserver", unhealthy_grace_s=10)
+    supervisor, clock, lines = _supervisor(5, triton)
+    triton.problem = NOT_ANSWERING
+    supervisor.step()
+    clock.advance(9)
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "running"
+    clock.advance(1)
+    supervisor.step()
+    assert supervisor.phase("tritonserver") == "waiting" and triton.repairs == []
+    assert "does not serve for 10 s: Triton's repository index is not answering" in lines[-1]
 
