@@ -1,8 +1,11 @@
 """The edge of every HTTP request, as one ASGI middleware: request id, shutdown, auth, body size and read
-timeout, deadline, metrics and the access log. Routes stay thin: they read the per-request
-`RequestContext` from `request.state.ctx` and call its policy where it applies to them (requests per
-minute as a route dependency; tokens per minute and admission once the route knows the prompt,
-max_tokens and how many engine requests it starts).
+timeout, deadline, metrics and the access log. Each request gets its record, `RequestContext`
+(`request.state.ctx`: what the access log and metrics read), and its `RequestBudget`
+(`request.state.budget`, frontend/request_budget.py), which the middleware holds open around the app until
+the response has been sent in full. Routes stay thin: they take from the budget what applies to them
+(requests per minute as a route dependency; the model version's lease; tokens per minute and admission
+once the route knows the prompt, max_tokens and how many engine requests it starts), and the budget gives
+all of it back, once, however the request ended.
 
 Order for a generation request (POST /v1/chat/completions, /v1/completions):
   draining? 503 -> API key? 401 -> body over the limit? 413, not arrived in time? 408 -> requests/min? 429
@@ -21,21 +24,20 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend import access_log
 from frontend.admin import ADMIN_PREFIX
-from frontend.admission import (AdmissionGate, NeverFits, RateLimiter, Rejected, TokenDemand, TokenReservation,
-                                tokens_to_charge)
+from frontend.admission import AdmissionGate, RateLimiter, TokenDemand
 from frontend.auth import ANONYMOUS, KeyStore, bearer_token
 from frontend.deadlines import Deadline, Deadlines
-from frontend.errors import (OpenAIError, invalid_api_key, invalid_request, payload_too_large, service_unavailable,
-                             too_many_requests)
-from frontend.metrics import CONTENT_TYPE_LATEST, Metrics, TokenTiming, TritonMetrics, exposition
-from frontend.serving import TextDelta, UsageCounter
+from frontend.errors import OpenAIError, invalid_api_key, invalid_request, payload_too_large, service_unavailable
+from frontend.metrics import CONTENT_TYPE_LATEST, Metrics, TritonMetrics, exposition
+from frontend.request_budget import RequestBudget
+from frontend.serving import UsageCounter
 from frontend.settings import Settings
 
 log = logging.getLogger("frontend")
@@ -69,8 +71,9 @@ def route_label(path: str) -> str:
 
 @dataclass
 class RequestContext:
-    """What the edge and the serving layer know about one request; `request.state.ctx` in routes. It is
-    the serving layer's `RequestHooks`: deadline, token timing, finish reasons and usage for the log."""
+    """The record of one request, `request.state.ctx` in routes: what the access log and the metrics read.
+    What the request holds (slots, tokens, leases) is its `RequestBudget` (frontend/request_budget.py,
+    `request.state.budget`), which also fills in the generation's part of this record."""
 
     request_id: str
     route: str
@@ -84,88 +87,24 @@ class RequestContext:
     prompt_tokens: int = 0
     usage: UsageCounter | None = None  # the generation's, read at the end (completion tokens so far)
     ttft_s: float | None = None
-    reservation: TokenReservation | None = None
     prompt_text: list[str] | None = None  # only with log_prompts
     completion_text: list[str] | None = None
-    admitted_slots: int = 0  # admission slots held (one per engine request), released by the middleware
-    admitted_at: float = 0.0
     model: str = ""  # the served model and engine version the request picked (labels for metrics and the log)
     model_version: str = ""
-    on_finish: list[Callable[[], None]] = field(default_factory=list)  # run once, after the last byte
-    edge: "Edge | None" = field(default=None, repr=False)
-
-    def check_request_rate(self) -> None:
-        """Requests per minute of this key (429 if over)."""
-        if self.edge is None:
-            return
-        try:
-            self.edge.limiter.check_request(self.key_id)
-        except Rejected as exc:
-            self.edge.metrics.rejected.labels(exc.reason).inc()
-            raise too_many_requests(exc.message, exc.retry_after_s, "requests", "rate_limit_exceeded") from None
-
-    async def admit(self, engine_requests: int) -> None:
-        """Wait for admission: one slot per engine request (bounded queue, bounded wait: 429 past them),
-        under the request's deadline. The middleware releases the slots when the response has been sent."""
-        edge = self.edge
-        if edge is None:
-            return
-        slots = edge.gate.slots_for(engine_requests)
-        acquiring = edge.gate.acquire(edge.settings.max_queue_wait_s, slots)
-        try:
-            self.queue_s = await (self.deadline.run(acquiring) if self.deadline is not None else acquiring)
-        except Rejected as exc:
-            edge.metrics.rejected.labels(exc.reason).inc()
-            raise too_many_requests(exc.message, exc.retry_after_s) from None
-        self.admitted_slots, self.admitted_at = slots, time.monotonic()
-        edge.metrics.queue_time.labels(self.route).observe(self.queue_s)
-
-    def reserve_tokens(self, demand: TokenDemand, prompt_param: str) -> None:
-        """Tokens per minute: reserve what the request may use now (429 while the key's bucket does not hold
-        it yet, 400 if it never can), settled at the end with what it was charged (`tokens_to_charge`)."""
-        if self.edge is None:
-            return
-        try:
-            self.reservation = self.edge.limiter.reserve(self.key_id, demand)
-        except NeverFits as exc:
-            self.edge.metrics.rejected.labels("tokens_per_minute").inc()
-            raise invalid_request(exc.message, prompt_param if exc.param == "prompt" else exc.param,
-                                  "tokens_per_minute_exceeded") from None
-        except Rejected as exc:
-            self.edge.metrics.rejected.labels(exc.reason).inc()
-            raise too_many_requests(exc.message, exc.retry_after_s, "tokens", "rate_limit_exceeded") from None
-
-    # ----- RequestHooks of the serving layer -----
-    async def bounded(self, awaitable: Awaitable[None]) -> None:
-        if self.deadline is None:
-            await awaitable
-        else:
-            await self.deadline.run(awaitable)
-
-    def timer(self) -> TokenTiming | None:
-        if self.edge is None:
-            return None
-
-        def first(ttft: float) -> None:
-            self.ttft_s = ttft if self.ttft_s is None else min(self.ttft_s, ttft)
-
-        return TokenTiming(self.started, self.edge.metrics, self.route, first)
-
-    def record_delta(self, delta: TextDelta) -> None:
-        reason = delta.finish_reason
-        if reason is not None:
-            self.finish_reason = reason if self.finish_reason in (None, "stop") else self.finish_reason
-        if self.completion_text is not None:
-            self.completion_text.append(delta.text)
-
-    def record_failure(self, error: OpenAIError) -> None:
-        deadline = self.deadline
-        self.finish_reason = (deadline.reason if deadline is not None and deadline.reason
-                              else "timeout" if error.code == "timeout" else "error")
+    budget: RequestBudget | None = field(default=None, repr=False)
 
     @property
     def completion_tokens(self) -> int:
         return self.usage.completion_tokens if self.usage is not None else 0
+
+    # Shorthands for the request's budget, which owns what these take and gives it back after the last byte.
+    def reserve_tokens(self, demand: TokenDemand, prompt_param: str) -> None:
+        if self.budget is not None:
+            self.budget.reserve_tokens(demand, prompt_param)
+
+    async def admit(self, engine_requests: int) -> None:
+        if self.budget is not None:
+            await self.budget.admit(engine_requests)
 
 
 class Edge:
@@ -268,8 +207,12 @@ class EdgeMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         request_id = client_request_id(headers.get("x-request-id")) or uuid.uuid4().hex
         path = scope.get("path", "")
-        ctx = RequestContext(request_id, route_label(path), scope.get("method", ""), time.monotonic(), edge=self.edge)
-        scope.setdefault("state", {})["ctx"] = ctx
+        ctx = RequestContext(request_id, route_label(path), scope.get("method", ""), time.monotonic())
+        # What the request takes (slots, tokens, leases) is given back when the budget exits: after the
+        # response's last byte, or however else the handling ended.
+        budget = ctx.budget = RequestBudget(self.edge, ctx)
+        state = scope.setdefault("state", {})
+        state["ctx"], state["budget"] = ctx, budget
 
         async def send_tracked(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -277,13 +220,15 @@ class EdgeMiddleware:
             await send(message)
 
         try:
-            await self._handle(ctx, path, headers, scope, receive, send_tracked)
-        except OpenAIError as exc:
-            await exc.response()(scope, receive, send_tracked)
-        except BaseException:
-            if ctx.status is None:
-                ctx.status = 500
-            raise
+            async with budget:
+                try:
+                    await self._handle(ctx, path, headers, scope, receive, send_tracked)
+                except OpenAIError as exc:
+                    await exc.response()(scope, receive, send_tracked)
+                except BaseException:
+                    if ctx.status is None:
+                        ctx.status = 500
+                    raise
         finally:
             self._finish(ctx)
 
@@ -329,8 +274,6 @@ class EdgeMiddleware:
         finally:
             if ctx.deadline is not None:
                 edge.deadlines.discard(ctx.deadline)
-            if ctx.admitted_slots:  # taken by the route once it knew how many engine requests it starts
-                edge.gate.release(time.monotonic() - ctx.admitted_at, ctx.admitted_slots)
 
     async def _read_body(self, ctx: RequestContext, headers: dict[str, str], receive: Receive) -> Receive:
         """The whole body, within the size limit and the body-read timeout (a client that sends half a body
@@ -354,14 +297,10 @@ class EdgeMiddleware:
         return _replay(body, disconnected, receive)
 
     def _finish(self, ctx: RequestContext) -> None:
+        """Metrics and the access log; what the request held is given back already (its budget)."""
         edge = self.edge
-        for release in ctx.on_finish:
-            release()
         duration = time.monotonic() - ctx.started
         status = ctx.status or 500
-        if ctx.reservation is not None:  # refused requests (never admitted, or the engine said no) cost nothing
-            edge.limiter.settle(ctx.reservation, tokens_to_charge(ctx.admitted_slots > 0, status, ctx.prompt_tokens,
-                                                                  ctx.completion_tokens))
         finish = ctx.finish_reason
         if finish is None and ctx.route in GENERATION_PATHS:
             if status == 200:

@@ -17,6 +17,7 @@ from frontend.json_body import OffLoopJSONRoute, parsed_json
 from frontend.middleware import RequestContext
 from frontend.model_context import ModelContext
 from frontend.renderers import ChatRenderer, CompletionRenderer
+from frontend.request_budget import RequestBudget
 from frontend.responses import GenerationResponse
 from frontend.schemas import (MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               ModelCard, ModelList, SamplingFields, TokenizeRequest, now, raw_prompts)
@@ -32,6 +33,11 @@ def request_context(request: Request) -> RequestContext:
     return request.state.ctx
 
 
+def request_budget(request: Request) -> RequestBudget:
+    """What this request holds (lease, tokens, slots), given back after its last byte (the middleware)."""
+    return request.state.budget
+
+
 async def model_context(request: Request, model: str | None = None) -> ModelContext:
     """The context of the model the request names (404 if not served), leased until the request's last
     byte: a rollout waits for the requests that picked the version it retires (frontend/rollout.py)."""
@@ -39,8 +45,7 @@ async def model_context(request: Request, model: str | None = None) -> ModelCont
     ctx = request_context(request)
     ctx.model, ctx.model_version = context.served_model_name, context.version
     if context.engine is not None:
-        context.engine.lease()
-        ctx.on_finish.append(context.engine.release)
+        request_budget(request).lease(context.engine)
     return context
 
 
@@ -82,7 +87,7 @@ async def off_loop(request: Request, work: Callable[..., T], *args: Any) -> T:
 
 async def rate_limited(request: Request) -> None:
     """Requests per minute of the caller's API key (429 past it): on the routes that do work."""
-    request_context(request).check_request_rate()
+    request_budget(request).check_request_rate()
 
 
 def check_fits_context(text: str, context: ModelContext, param: str) -> None:
@@ -184,17 +189,17 @@ async def new_generation(request: Request, req: SamplingFields, context: ModelCo
     admission.tokens_to_reserve), and admission (one slot per engine request)."""
     limits(request).check_prompts(prompts, prompt_param)
     jobs = choice_jobs(req, prompts, context.context_length, context.tokenizer, top_logprobs, prompt_param, guide)
-    ctx = request_context(request)
+    ctx, budget = request_context(request), request_budget(request)
     generation = Generation(context.engine, context.tokenizer, jobs, req.stop_strings,
-                            sum(len(p) for p in prompts), ctx, parsing)
+                            sum(len(p) for p in prompts), budget, parsing)
     demand = TokenDemand(generation.usage.prompt_tokens, sum(job.request.options.max_tokens for job in jobs),
                          len(jobs), max_tokens_given=req.requested_max_tokens is not None)
-    ctx.reserve_tokens(demand, prompt_param)
+    budget.reserve_tokens(demand, prompt_param)
     ctx.prompt_tokens, ctx.usage = generation.usage.prompt_tokens, generation.usage
     if request.app.state.settings.log_prompts:
         ctx.prompt_text = [await off_loop(request, context.tokenizer.decode, p) for p in prompts]
         ctx.completion_text = []
-    await ctx.admit(len(jobs))
+    await budget.admit(len(jobs))
     return generation
 
 

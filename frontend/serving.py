@@ -96,7 +96,7 @@ class TokenTimer(Protocol):
 
 
 class RequestHooks(Protocol):
-    """What the HTTP edge wants to know of a generation (frontend.middleware.RequestContext)."""
+    """What the HTTP edge wants to know of a generation (frontend.request_budget.RequestBudget)."""
 
     def bounded(self, awaitable: Awaitable[None]) -> Awaitable[None]:
         """Await under the request's deadline (504) and the server's shutdown (503)."""
