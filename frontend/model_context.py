@@ -8,12 +8,20 @@ Two ways to serve (frontend/settings.py):
 
 Contexts load lazily and are retried on every request until they load, so the frontend can start before
 Triton and recover if Triton was down at start; settings given explicitly win over what Triton says.
+
+Which named models are served is what Triton has loaded (its repository index), not what is on disk: a model
+built while serving joins when a rollout loads it, and one that failed to load is left out instead of making
+every listing fail. A model's context is replaced under one lock (`switch()`, the lazy load, `refresh()`), and
+`refresh()` re-routes a model whose version Triton no longer has ready (after a Triton restart, say) to the
+version rollout.json names, asking Triton to load it if it has not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -28,6 +36,11 @@ from frontend.tool_parsers import parser_for_template
 from frontend.triton_engine import TritonEngine
 
 log = logging.getLogger("frontend")
+
+# Triton's repository index states (frontend/triton_engine.py TritonEngine.model_index).
+READY, LOADING = "READY", "LOADING"
+REFRESH_AFTER_FAILURE_S = 1.0  # a request's 503 makes the next request re-read Triton's index, at most this often
+REPAIR_EVERY_S = 30.0  # how often the frontend asks Triton again to load a model's live version it lacks
 
 
 class VersionEngine:
@@ -45,6 +58,7 @@ class VersionEngine:
         self._leases = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.suspect = False  # a request on it got a 503: the registry re-reads Triton's index (refresh())
 
     def lease(self) -> None:
         self._leases += 1
@@ -67,8 +81,15 @@ class VersionEngine:
             return False
         return True
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
-        return self.triton.generate(request, self.model, self.version)
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        async with contextlib.aclosing(self.triton.generate(request, self.model, self.version)) as chunks:
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except OpenAIError as exc:
+                if exc.status == 503:  # Triton restarted, or this version is gone: re-check what it serves
+                    self.suspect = True
+                raise
 
     async def is_ready(self) -> bool:
         return await self.triton.is_ready(self.model, self.version)
@@ -100,8 +121,16 @@ class ModelRegistry:
         self._triton = triton
         self._repository = settings.model_repository
         self._contexts: dict[str | None, ModelContext] = {}
-        self._served: list[str] | None = None  # named models served: those on disk at start, + rolled out
-        self._lock = asyncio.Lock()
+        self._served: list[str] | None = None  # named models served: what Triton's index said at the last
+        # refresh() (loaded or loading), + rolled out since; None: not read yet
+        self._lock = asyncio.Lock()  # every change of _contexts
+        self._unloaded: dict[str, str] = {}  # named models Triton tried to load and does not have: their states
+        self._refreshed_at = -REFRESH_AFTER_FAILURE_S
+        self._repaired_at: dict[str, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Models whose versions are being switched: by a rollout (frontend/rollout.py uses this as its "one
+        # rollout per model" set) or by a repair here. Neither starts while the other runs.
+        self.rolling: set[str] = set()
 
     @property
     def named(self) -> bool:
@@ -119,17 +148,18 @@ class ModelRegistry:
         raise self.not_found(name)
 
     def served_ids(self) -> list[str]:
-        """A model built while serving joins when it is rolled out (Triton loads it then), not before."""
+        """The named models Triton has loaded, as of the last refresh(): a model built while serving joins
+        when it is rolled out (Triton loads it then), not before."""
         if self.named:
-            if self._served is None:
-                self._served = [m.name for m in self.store()]
-            return list(self._served)
+            return list(self._served or [])
         single = self._contexts.get(None)
         return [single.served_model_name] if single is not None else []
 
     async def get(self, model: str | None = None) -> ModelContext:
         """The context of `model` (None: the default one). 404 for a model this server does not serve."""
         key = model if self.named else None
+        if self.named and (self._served is None or (key is not None and key not in self._served)):
+            await self.refresh()  # 503 when Triton does not answer
         if self.named and key is None:
             ids = self.served_ids()
             if not ids:
@@ -137,10 +167,18 @@ class ModelRegistry:
                                           "`make engine NAME=...`")
             key = ids[0]
         context = self._contexts.get(key)
+        if (self.named and context is not None and context.engine is not None and context.engine.suspect
+                and time.monotonic() - self._refreshed_at >= REFRESH_AFTER_FAILURE_S):
+            with contextlib.suppress(OpenAIError):
+                await self.refresh()
+            context = self._contexts.get(key)
         if context is None:
             if self.named and key not in self.served_ids():
+                if key in self._unloaded:  # loaded once (or tried): Triton's trouble, not the client's
+                    raise service_unavailable(f"the model {key!r} is not loaded in Triton "
+                                              f"({self._unloaded[key]}); retry the request later")
                 raise self.not_found(key or "")
-            async with self._lock:
+            async with self._lock:  # switch() and refresh() hold it too: no context is stored over another
                 context = self._contexts.get(key)
                 if context is None:
                     context = await self._load(key)
@@ -152,8 +190,93 @@ class ModelRegistry:
             raise self.not_found(model)
         return context
 
+    def current(self, name: str) -> ModelContext | None:
+        """The context a named model's requests go to now (None: none loaded yet)."""
+        return self._contexts.get(name)
+
     async def all(self) -> list[ModelContext]:
-        return [await self.get(name) for name in self.served_ids()] if self.named else [await self.get()]
+        """Every served model's context; for named models, those that load (one that cannot is logged and
+        left out). 503 only when Triton does not answer."""
+        if not self.named:
+            return [await self.get()]
+        await self.refresh()
+        contexts = []
+        for name in self.served_ids():
+            try:
+                contexts.append(await self.get(name))
+            except OpenAIError as exc:
+                log.warning("model %s is not listed: %s", name, exc.message)
+        return contexts
+
+    async def refresh(self) -> dict[str, dict[str, str]]:
+        """Re-read from Triton's repository index which named models it has loaded (or is loading): those are
+        served. A model whose routed version Triton no longer has ready goes back to the version rollout.json
+        names (its context is dropped; the next request loads that version's); if Triton lacks that version
+        too (it restarted while a rollout changed the files), Triton is asked to load it. Models being
+        rolled out are left to the rollout. Returns the index (name -> {version: state})."""
+        index = await self._triton.model_index()
+        self._refreshed_at = time.monotonic()
+        served, unloaded = [], {}
+        for model in self.store():
+            states = index.get(model.name, {})
+            if not {READY, LOADING} & set(states.values()):
+                if states:  # a version failed to load, or was unloaded (a dead engine): 503s, not 404s
+                    unloaded[model.name] = ", ".join(f"version {v}: {s or 'unknown'}" for v, s in states.items())
+                if model.name not in self.rolling:
+                    await self._drop(model.name, self._contexts.get(model.name))
+                continue
+            served.append(model.name)
+            if model.name not in self.rolling:
+                await self._reconcile(model, states)
+        self._served, self._unloaded = served, unloaded
+        return index
+
+    async def _reconcile(self, model: model_store.ManagedModel, states: dict[str, str]) -> None:
+        context = self._contexts.get(model.name)
+        if context is not None and context.engine is not None:
+            context.engine.suspect = False
+        if context is not None and states.get(context.version) != READY:
+            await self._drop(model.name, context)
+        try:
+            live = str(model.live_version)
+        except model_store.ModelStoreError as exc:
+            log.error("model %s: %s", model.name, exc)
+            return
+        if states.get(live) == READY or LOADING in states.values():
+            return
+        now = time.monotonic()
+        if now - self._repaired_at.get(model.name, -REPAIR_EVERY_S) < REPAIR_EVERY_S:
+            return
+        if model.name in self.rolling:  # a rollout started meanwhile: it owns the files
+            return
+        self._repaired_at[model.name] = now
+        self.rolling.add(model.name)  # no rollout while the files are settled and the model loads
+        task = asyncio.get_running_loop().create_task(self._repair(model, live))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drop(self, name: str, context: ModelContext | None) -> None:
+        """Forget `context` unless a switch replaced it meanwhile: the next request loads the live version's."""
+        if context is None:
+            return
+        async with self._lock:
+            if self._contexts.get(name) is context:
+                del self._contexts[name]
+                log.warning("model %s: Triton no longer has version %s ready; re-reading its live version", name,
+                            context.version)
+
+    async def _repair(self, model: model_store.ManagedModel, live: str) -> None:
+        """Make the files agree with rollout.json (model_store settle()) and have Triton load them: the
+        live version, and no other."""
+        try:
+            repaired = await asyncio.to_thread(model.settle)
+            log.warning("model %s: Triton does not have its live version %s ready%s; loading it", model.name,
+                        live, f" (an interrupted rollout was undone: {repaired})" if repaired else "")
+            await self._triton.load_model(model.name)
+        except Exception as exc:  # retried by a later refresh(); readiness stays 503 meanwhile
+            log.error("model %s: loading version %s failed: %s", model.name, live, exc)
+        finally:
+            self.rolling.discard(model.name)
 
     def not_found(self, model: str) -> OpenAIError:
         ids = ", ".join(f"'{i}'" for i in self.served_ids()) or "none loaded yet"
@@ -175,19 +298,25 @@ class ModelRegistry:
         return {"live_version": int(context.version), "previous_version": model.previous_version,
                 "versions": versions}
 
-    def switch(self, context: ModelContext) -> ModelContext | None:
-        """Route the model's new requests to `context`; returns the context they went to before."""
-        previous = self._contexts.get(context.served_model_name)
-        self._contexts[context.served_model_name] = context
-        if context.served_model_name not in self.served_ids():
-            self._served = [*self.served_ids(), context.served_model_name]
+    async def switch(self, context: ModelContext) -> ModelContext | None:
+        """Route the model's new requests to `context`; returns the context they went to before. Under the
+        registry's lock: a lazy load in progress finishes first, and its context is the one returned."""
+        async with self._lock:
+            previous = self._contexts.get(context.served_model_name)
+            self._contexts[context.served_model_name] = context
+            if context.served_model_name not in self.served_ids():
+                self._served = [*self.served_ids(), context.served_model_name]
         return previous
 
     async def _load(self, key: str | None) -> ModelContext:
         if key is None:
             return await self._load_single()
         try:
-            return await self.load_version(key, self.find(key).live_version)
+            live = self.find(key).live_version
+            if not await self._triton.is_ready(key, str(live)):
+                raise service_unavailable(f"Triton does not have version {live} of model {key!r} (the live "
+                                          "version) ready yet; retry the request")
+            return await self.load_version(key, live)
         except (model_store.ModelStoreError, OSError, KeyError, ValueError) as exc:
             raise service_unavailable(f"the model {key!r} cannot be loaded: {exc}") from exc
 
@@ -224,15 +353,22 @@ class ModelRegistry:
                             s.reasoning_parser, engine)
 
     async def is_ready(self) -> bool:
-        """Every served model's version ready in Triton (the single engine model's, by default)."""
+        """Every model Triton has loaded (or is loading) served: the version its requests go to ready in
+        Triton, its context loaded (the single engine model's, by default)."""
         if not self.named:
             return await self._triton.is_ready()
-        models = [model for model in self.store() if model.name in self.served_ids()]
-        if not models:
+        try:
+            index = await self.refresh()
+        except OpenAIError:
             return False
-        for model in models:
-            current = self._contexts.get(model.name)
-            version = current.version if current is not None else str(model.live_version)
-            if not await self._triton.is_ready(model.name, version):
+        names = self.served_ids()
+        if not names:
+            return False
+        for name in names:
+            try:
+                context = await self.get(name)
+            except OpenAIError:
+                return False
+            if index.get(name, {}).get(context.version) != READY:
                 return False
         return True

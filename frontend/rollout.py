@@ -14,6 +14,7 @@ too: a version named in the policy is never pruned, so N cannot vanish while it 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -22,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from build_engine import model_store
 from frontend.errors import OpenAIError, invalid_request
-from frontend.model_context import ModelContext, ModelRegistry
+from frontend.model_context import READY, ModelContext, ModelRegistry
 from frontend.triton_engine import TritonEngine, client_message
 
 log = logging.getLogger("frontend.rollout")
@@ -37,7 +38,7 @@ class Rollouts:
         self._registry = registry
         self._triton = triton
         self._grace_s = grace_s
-        self._busy: set[str] = set()
+        self._busy = registry.rolling  # shared: the registry does not repair a model while it is rolled out
 
     def _model(self, name: str) -> model_store.ManagedModel:
         if not self._registry.named:
@@ -71,12 +72,18 @@ class Rollouts:
                                    f"{', '.join(map(str, on_disk))})", "invalid_request_error", "version",
                               "version_not_found")
         if target == live:
-            if name not in self._registry.served_ids():  # built while serving: its first version joins now
-                self._registry.switch(await self._load_first(model, live))
-                return self._result(model, live, None, drained=True, started=started, changed=True)
-            return self._result(model, live, None, drained=True, started=started, changed=False)
+            # Built while serving (its first version joins now), or Triton lost it (a restart that could not
+            # load it): load it. Loaded but not routed yet: route it. Else nothing to do.
+            loaded = (await self._triton.model_index()).get(name, {}).get(str(live)) == READY
+            current = self._registry.current(name)
+            routed = current.version == str(live) if current is not None else name in self._registry.served_ids()
+            if loaded and routed:  # (a served model without a context yet loads it at its first request)
+                return self._result(model, live, None, drained=True, started=started, changed=False)
+            context = await (self._registry.load_version(name, live) if loaded else self._load_first(model, live))
+            await self._registry.switch(context)
+            return self._result(model, live, None, drained=True, started=started, changed=True)
         context = await self._load_beside(model, live, target)
-        old = self._registry.switch(context)
+        old = await self._registry.switch(context)
         log.info("model %s: new requests go to version %d; waiting up to %.0f s for version %d to drain",
                  name, target, self._grace_s, live)
         drained = True
@@ -88,6 +95,7 @@ class Rollouts:
         with model.locked():  # beside no build's prune: `live` becomes the rollback target, kept
             model.commit(live=target, previous=live)
             model.set_loaded([target])
+            model.point_live_link(target)  # again: the launcher's settle() may have undone it (a Triton restart)
         try:
             await self._triton.load_model(name)  # unloads the old version
         except InferenceServerException as exc:  # version `target` serves; the old one may linger loaded
@@ -96,7 +104,8 @@ class Rollouts:
 
     async def _load_first(self, model: model_store.ManagedModel, version: int) -> ModelContext:
         try:
-            await self._triton.load_model(model.name)  # the policy on disk already lists `version` alone
+            await asyncio.to_thread(model.settle)  # the policy and link as rollout.json says: `version` alone
+            await self._triton.load_model(model.name)
             return await self._registry.load_version(model.name, version)
         except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, KeyError,
                 ValueError) as exc:

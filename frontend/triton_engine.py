@@ -332,6 +332,23 @@ class TritonEngine:
         InferenceServerException with Triton's reason when a version fails to load."""
         await self._client.load_model(model, headers=self._control)
 
+    async def model_index(self) -> dict[str, dict[str, str]]:
+        """What Triton has loaded: model name -> {version: state} from its repository index (READY, LOADING,
+        UNLOADING, UNAVAILABLE; a model in the repository that was never loaded has no versions). The index is
+        a control API, restricted with the launch's key. 503 when Triton does not answer."""
+        try:
+            index = await self._client.get_model_repository_index(headers=self._control, as_json=True,
+                                                                  client_timeout=self._timeout)
+        except InferenceServerException as exc:
+            raise service_unavailable(f"the inference server's repository index is not answering: "
+                                      f"{client_message(exc.message())}") from exc
+        models: dict[str, dict[str, str]] = {}
+        for entry in index.get("models", []):
+            versions = models.setdefault(entry.get("name", ""), {})
+            if entry.get("version"):
+                versions[str(entry["version"])] = entry.get("state", "")
+        return models
+
     async def probe(self, model: str, version: str = "") -> str | None:
         """The engine's answer to `probe_inputs` when it says the model's process is gone (STUB_DEAD) or the
         model is no longer loaded; None when it answered otherwise, or not within PROBE_TIMEOUT_S."""

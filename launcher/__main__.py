@@ -183,8 +183,22 @@ def preflight(cfg: Config) -> None:
     check_model_repository(cfg.model_repository)  # a TensorRT-LLM engine must match the installed version
     for warning in check_named_models(cfg.model_repository):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    for model in model_store.managed_models(cfg.model_repository):
-        repaired = model.settle()  # a rollout interrupted by a stop: back to the version recorded as live
+    settle_models(cfg.model_repository)
+
+
+def settle_models(repository: Path) -> None:
+    """Before every start of Triton (which loads what the files say): a rollout interrupted by a stop, or by
+    Triton's death, goes back to the version rollout.json records as live (model_store settle()). Otherwise
+    Triton would load both versions, and with TensorRT-LLM the old one would read the new one's engine through
+    the `live` link. A frontend rollout that finishes after this commits its version in full (policy, link and
+    state together), and the frontend has Triton load it (frontend/model_context.py refresh())."""
+    for model in model_store.managed_models(repository):
+        try:
+            repaired = model.settle()
+        except (model_store.ModelStoreError, OSError) as exc:  # Triton reports the model's load failure
+            print(f"warning: model {model.name}: cannot settle its rollout state: {exc}", file=sys.stderr,
+                  flush=True)
+            continue
         if repaired:
             print(f"model {model.name}: an interrupted rollout was undone ({repaired}); version "
                   f"{model.live_version} is live", flush=True)
@@ -398,6 +412,7 @@ class TritonProcess:
             self.server.stop()  # no-op when the supervisor already did; never two servers on one port
             rotate_log(self._cfg.triton_log)
             self.server = self._new_server()
+            settle_models(self._cfg.model_repository)  # the first start's ran in preflight()
         self._starts += 1
         self._health = self._new_health()
         self._last_problem = None

@@ -49,6 +49,7 @@ class Served:
     env: dict[str, str]  # the ports, as `make rollout` must see them
     triton_http: str
     log: Path
+    launcher: subprocess.Popen[bytes] | None = None  # `python -m launcher serve`
 
 
 def build(build_dir: Path, name: str, checkpoint: Path) -> subprocess.CompletedProcess[str]:
@@ -84,7 +85,7 @@ def launched(out: Path) -> Iterator[Served]:
     root = f"http://127.0.0.1:{ports['FRONTEND_PORT']}"
     try:
         wait_http_ok(f"{root}/health/ready", 300, process)
-        yield Served(out, root, env, f"http://127.0.0.1:{ports['TRITON_HTTP_PORT']}", log)
+        yield Served(out, root, env, f"http://127.0.0.1:{ports['TRITON_HTTP_PORT']}", log, process)
     finally:
         stop_process(process)
 

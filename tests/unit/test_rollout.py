@@ -20,7 +20,9 @@ NAME = "assistant"
 
 
 class FakeTriton:
-    """Records, at each load_model, the version policy and live link on disk; fails the loads it is told to."""
+    """Records, at each load_model, the version policy and live link on disk; fails the loads it is told to.
+    Its repository index: the versions each model's policy named at its last load that succeeded (the
+    policy on disk at the start for `model`, as Triton loads at its start)."""
 
     def __init__(self, model: model_store.ManagedModel):
         self.model = model
@@ -28,10 +30,15 @@ class FakeTriton:
         self.loads: list[tuple[list[int], int | None]] = []
         self.fail_versions: set[int] = set()
         self.gate: asyncio.Event | None = None  # when set: the first load waits for it
+        self.ready: dict[str, set[int]] = {model.name: set(model.loaded_versions())}
+
+    async def model_index(self) -> dict[str, dict[str, str]]:
+        return {name: {str(v): "READY" for v in versions} for name, versions in self.ready.items()}
 
     async def load_model(self, name: str) -> None:
         if name != self.model.name:
             self.others.append(name)
+            self.ready[name] = set(model_store.ManagedModel(self.model.directory.parent / name).loaded_versions())
             return
         loaded = self.model.loaded_versions()
         self.loads.append((loaded, self.model.live_link_target()))
@@ -41,6 +48,7 @@ class FakeTriton:
         if failing:
             raise InferenceServerException(f"load failed for model '{name}': version {min(failing)} is at "
                                            "UNAVAILABLE state: corrupt weights")
+        self.ready[name] = set(loaded)
 
     async def is_ready(self, model: str | None = None, version: str = "") -> bool:
         return True
@@ -146,6 +154,7 @@ async def test_refusals(setup) -> None:
 
 async def test_a_model_built_while_serving_joins_when_rolled_out(setup, tmp_path: Path) -> None:
     _, triton, registry = setup
+    await registry.refresh()
     assert registry.served_ids() == [NAME]
     make_model(tmp_path, [1], live=1, name="coder")  # `make engine NAME=coder` while serving
     with pytest.raises(OpenAIError) as raised:
@@ -186,3 +195,162 @@ async def test_a_prune_during_the_load_spares_the_version_being_loaded(setup) ->
     triton.gate.set()
     assert (await task)["live_version"] == 2
     assert model.prune(1) == []  # 1 is now the rollback target
+
+
+# ----- what Triton has loaded, and the registry's lock (issue 25) ------------------------------------------
+class GatedRegistry(FakeRegistry):
+    """Its context loads of version `gated` wait for `gate` (a lazy first load that takes a while)."""
+
+    gate: asyncio.Event
+    gated = 1
+    started: asyncio.Event
+
+    async def load_version(self, name: str, version: int) -> ModelContext:
+        if version == self.gated:
+            self.started.set()
+            await self.gate.wait()
+        return await super().load_version(name, version)
+
+
+async def test_a_rollout_racing_the_first_load_ends_on_the_new_version(setup) -> None:
+    """Finding 11: the first request's lazy load of version 1 is in progress when a rollout to 2 switches; the
+    switch waits for it and retires the context it stored, which is never stored over version 2."""
+    model, triton, _ = setup
+    registry = GatedRegistry(Settings(model_repository=model.directory.parent), triton)  # type: ignore[arg-type]
+    registry.gate, registry.started = asyncio.Event(), asyncio.Event()
+    first = asyncio.create_task(registry.get(NAME))
+    await registry.started.wait()  # version 1 loading, under the lock
+    rollout = asyncio.create_task(Rollouts(registry, triton, grace_s=5).rollout(NAME, 2))  # type: ignore[arg-type]
+    while len(triton.loads) < 1:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.05)
+    assert not rollout.done()  # its switch waits for the lazy load
+    registry.gate.set()
+    old = await first
+    assert old.version == "1"
+    old.engine.lease()  # the first request streams on version 1: the rollout waits for it
+    await asyncio.sleep(0.05)
+    assert (await registry.get(NAME)).version == "2"
+    old.engine.release()
+    result = await rollout
+    assert (result["live_version"], result["drained"]) == (2, True)
+    assert (await registry.get(NAME)).version == "2" and triton.loads[-1] == ([2], 2)
+
+
+async def test_the_switch_and_the_lazy_load_hold_one_lock(setup) -> None:
+    model, triton, registry = setup
+    await registry.refresh()
+    async with registry._lock:
+        switched = asyncio.create_task(registry.switch(await registry.load_version(NAME, 2)))
+        await asyncio.sleep(0.05)
+        assert not switched.done() and registry.current(NAME) is None
+    assert await switched is None and registry.current(NAME).version == "2"  # type: ignore[union-attr]
+    assert (await registry.get(NAME)).version == "2"  # the lazy load does not replace it with rollout.json's 1
+
+
+async def test_served_models_are_what_triton_has_loaded(setup, tmp_path: Path) -> None:
+    """Finding 8: after a frontend restart, a model built while serving (on disk, never loaded by Triton) is
+    neither served nor in the way of readiness and the listing; a rollout loads it."""
+    _, triton, _ = setup
+    make_model(tmp_path, [1], live=1, name="coder")
+    registry = FakeRegistry(Settings(model_repository=tmp_path / "models"), triton)  # type: ignore[arg-type]
+    assert [c.served_model_name for c in await registry.all()] == [NAME]
+    assert await registry.is_ready()
+    with pytest.raises(OpenAIError) as raised:
+        await registry.get("coder")
+    assert raised.value.status == 404
+    result = await Rollouts(registry, triton, grace_s=5).rollout("coder")  # type: ignore[arg-type]
+    assert (result["live_version"], result["changed"]) == (1, True) and triton.others == ["coder"]
+    assert [c.served_model_name for c in await registry.all()] == [NAME, "coder"]
+    assert await registry.is_ready()
+
+
+async def test_a_model_that_failed_to_load_is_left_out_not_failing_all(setup, tmp_path: Path) -> None:
+    _, triton, registry = setup
+    make_model(tmp_path, [1], live=1, name="coder")
+    triton.ready["coder"] = set()
+    states = {"coder": {"1": "UNAVAILABLE"}}
+    index = triton.model_index
+
+    async def with_failure() -> dict[str, dict[str, str]]:
+        return {**(await index()), **states}
+
+    triton.model_index = with_failure  # type: ignore[method-assign]
+    assert [c.served_model_name for c in await registry.all()] == [NAME]
+    assert await registry.is_ready()
+    with pytest.raises(OpenAIError) as raised:
+        await registry.get("coder")
+    assert raised.value.status == 503 and "not loaded in Triton" in raised.value.message
+
+
+async def test_rolling_out_the_live_version_loads_it_when_triton_lacks_it(setup) -> None:
+    """The `target == live` branch: a model Triton does not have ready is loaded, not reported as live."""
+    model, triton, registry = setup
+    assert (await registry.get(NAME)).version == "1"
+    triton.ready[NAME] = set()  # e.g. Triton restarted and could not load it then
+    result = await Rollouts(registry, triton, grace_s=5).rollout(NAME, 1)  # type: ignore[arg-type]
+    assert result["changed"] is True and triton.loads == [([1], 1)]
+    assert triton.ready[NAME] == {1} and (await registry.get(NAME)).version == "1"
+    result = await Rollouts(registry, triton, grace_s=5).rollout(NAME, 1)  # type: ignore[arg-type]
+    assert result["changed"] is False and len(triton.loads) == 1  # loaded and routed: nothing to do
+
+
+async def test_a_triton_restart_mid_rollout_goes_to_the_version_rollout_json_names(setup) -> None:
+    """Finding 13, the frontend's side: it routes version 2 (switched), but the restarted Triton has only 1
+    (the launcher settled the files while rollout.json still said 1): the next refresh re-routes to 1."""
+    model, triton, registry = setup
+    await registry.switch(await registry.load_version(NAME, 2))
+    triton.ready[NAME] = {1}
+    assert await registry.is_ready()  # version 2 dropped, version 1's context loaded
+    assert (await registry.get(NAME)).version == "1"
+
+
+async def test_the_frontend_has_triton_load_the_live_version_it_lacks(setup) -> None:
+    """The rollout committed 2 (its last load failed: Triton was down) after the launcher's settle, and the
+    restarted Triton loaded 1: the frontend settles the files again and asks Triton to load them."""
+    model, triton, registry = setup
+    model.commit(live=2, previous=1)
+    model.set_loaded([1, 2])
+    triton.ready[NAME] = {1}
+    assert not await registry.is_ready()
+    while NAME in registry.rolling:  # the repair, in the background
+        await asyncio.sleep(0.01)
+    assert triton.loads == [([2], 2)] and model.loaded_versions() == [2]
+    assert await registry.is_ready() and (await registry.get(NAME)).version == "2"
+
+
+def test_the_launcher_settles_every_model_before_each_triton_restart(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 13, the launcher's side: a rollout interrupted by Triton's death (both versions in the policy,
+    the link on the new one, rollout.json on the old) is undone before the supervisor starts Triton again."""
+    from types import SimpleNamespace
+
+    import launcher.__main__ as launcher_main
+
+    model = make_model(tmp_path, [1, 2], live=1)
+    started: list[tuple[list[int], int | None]] = []
+
+    class FakeServer:
+        pid = None
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def start(self) -> None:
+            started.append((model.loaded_versions(), model.live_link_target()))
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(launcher_main, "TritonServer", FakeServer)
+    monkeypatch.setattr(launcher_main, "rotate_log", lambda path: None)
+    cfg = SimpleNamespace(model_repository=tmp_path / "models", http_port=1, grpc_port=2, metrics_port=3,
+                          triton_log=tmp_path / "t.log", work_dir=tmp_path, engine_model=NAME,
+                          triton_ready_timeout_s=60.0, engine_unhealthy_s=10.0)
+    triton = launcher_main.TritonProcess(cfg, "key")  # type: ignore[arg-type]
+    triton.start()
+    with model.locked():  # a rollout to 2 in progress when Triton dies
+        model.set_loaded([1, 2])
+        model.point_live_link(2)
+    triton.start()  # the supervisor's restart
+    assert started == [([1], 1), ([1], 1)]
