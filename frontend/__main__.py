@@ -21,9 +21,9 @@ from typing import Any
 
 import uvicorn
 
-from frontend import access_log
-from frontend.app import create_app
-from frontend.middleware import Edge
+from frontend.observability import access_log
+from frontend.http.app import create_app
+from frontend.http.middleware import Edge
 from frontend.settings import Settings
 
 log = logging.getLogger("frontend")

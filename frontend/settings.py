@@ -16,9 +16,9 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
-from frontend.auth import HashedKeys
-from frontend.reasoning import REASONING_PARSERS
-from frontend.tool_parsers import FAMILY_PARSERS
+from frontend.policy.auth import HashedKeys
+from frontend.parsing.reasoning import REASONING_PARSERS
+from frontend.parsing.tool_parsers import FAMILY_PARSERS
 
 # Mozilla's "intermediate" TLS 1.2 suites (ssl-config.mozilla.org): forward secrecy and AEAD ciphers
 # only. Its DHE suites are left out: this server loads no DH parameters, so they could never be chosen.

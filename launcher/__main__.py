@@ -191,7 +191,7 @@ def settle_models(repository: Path) -> None:
     Triton's death, goes back to the version rollout.json records as live (model_store settle()). Otherwise
     Triton would load both versions, and with TensorRT-LLM the old one would read the new one's engine through
     the `live` link. A frontend rollout that finishes after this commits its version in full (policy, link and
-    state together), and the frontend has Triton load it (frontend/model_context.py refresh())."""
+    state together), and the frontend has Triton load it (frontend/models/registry.py refresh())."""
     for model in model_store.managed_models(repository):
         try:
             repaired = model.settle()

@@ -125,7 +125,7 @@ def _chain(tokenizer_dir: Path, text: str) -> ScriptedChain:
         CHAT_MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)]
     token_ids = list(tokenizer.encode(text, add_special_tokens=False))
 
-    def decode(ids: list[int]) -> str:  # as the frontend decodes (frontend.tokenizer.Tokenizer.decode)
+    def decode(ids: list[int]) -> str:  # as the frontend decodes (frontend.text.tokenizer.Tokenizer.decode)
         return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     # The frontend decodes generated tokens after the prompt: what they add is the response text

@@ -20,8 +20,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from frontend.engine import SamplingOptions
-from frontend.triton_engine import build_inputs
+from frontend.generation.engine import SamplingOptions
+from frontend.generation.triton_engine import build_inputs
 from launcher.ports import find_free_port
 from tests.integration.conftest import (CONTRACT_MODEL, Stack, engine_is_idle, engine_settled, start_frontend,
                                         stop_process, wait_engine, wait_http_ok, wait_until)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from frontend.admission import AdmissionGate, Rejected
+from frontend.policy.admission import AdmissionGate, Rejected
 
 
 async def test_a_request_takes_one_slot_per_engine_request() -> None:

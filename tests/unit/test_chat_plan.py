@@ -1,4 +1,4 @@
-"""The chat plan (frontend/chat_plan.py): the tools the template renders, the guide and the answer's parsers,
+"""The chat plan (frontend/planning/chat_plan.py): the tools the template renders, the guide and the answer's parsers,
 decided together. Through the real chat route and serving layer, over a fake engine that scripts the answer
 and a byte tokenizer whose chat template ends the prompt with an open `<think>` (as Qwen3-2507 thinking and
 QwQ do) and a reasoning parser on: guided answers land in `content` or `tool_calls`, never in
@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from frontend.app import create_app
-from frontend.chat_plan import ChatPlan
-from frontend.errors import OpenAIError
-from frontend.model_context import ModelContext
-from frontend.schemas import ChatCompletionRequest
+from frontend.http.app import create_app
+from frontend.planning.chat_plan import ChatPlan
+from frontend.openai.errors import OpenAIError
+from frontend.models.registry import ModelContext
+from frontend.openai.schemas import ChatCompletionRequest
 from frontend.settings import Settings
 from tests.unit.test_serving import TOKENIZER, ByteTokenizer, FakeEngine, tokens_of
 
@@ -236,7 +236,7 @@ def test_auto_on_a_model_whose_call_markup_is_unknown_is_a_400() -> None:
 async def test_a_plans_parsing_runs_in_the_serving_layer_like_any_other() -> None:
     """The plan's parsing is the serving layer's AnswerParsing: Generation runs it unchanged."""
     from tests.unit.test_serving import job
-    from frontend.serving import Generation
+    from frontend.generation.serving import Generation
 
     engine = FakeEngine(tokens_of(TWO_CALLS))
     plan = plan_of(context(reasoning_parser=None), tools=[WEATHER, CLOCK], parallel_tool_calls=False)

@@ -13,12 +13,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from tritonclient.utils import InferenceServerException
 
-from frontend import triton_engine
-from frontend.engine import EngineRequest, SamplingOptions
-from frontend.errors import OpenAIError, install_error_handlers
-from frontend.schemas import (INT32_MAX, MAX_JSON_DEPTH, ChatCompletionRequest, ChatMessage, CompletionRequest,
+from frontend.generation import triton_engine
+from frontend.generation.engine import EngineRequest, SamplingOptions
+from frontend.openai.errors import OpenAIError, install_error_handlers
+from frontend.openai.schemas import (INT32_MAX, MAX_JSON_DEPTH, ChatCompletionRequest, ChatMessage, CompletionRequest,
                               DetokenizeRequest, TokenizeRequest, check_client_json)
-from frontend.triton_engine import TritonEngine, build_inputs, client_message, is_client_error
+from frontend.generation.triton_engine import TritonEngine, build_inputs, client_message, is_client_error
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}

@@ -15,14 +15,14 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from frontend import auth
-from frontend.admission import (AdmissionGate, NeverFits, RateLimiter, Rejected, TokenBucket, TokenDemand,
+from frontend.policy import auth
+from frontend.policy.admission import (AdmissionGate, NeverFits, RateLimiter, Rejected, TokenBucket, TokenDemand,
                                 tokens_to_charge, tokens_to_reserve)
-from frontend.auth import KeyStore, bearer_token
-from frontend.deadlines import Deadline, Deadlines
-from frontend.errors import OpenAIError, install_error_handlers
-from frontend.middleware import Edge, EdgeMiddleware, route_label
-from frontend.serving import UsageCounter
+from frontend.policy.auth import KeyStore, bearer_token
+from frontend.policy.deadlines import Deadline, Deadlines
+from frontend.openai.errors import OpenAIError, install_error_handlers
+from frontend.http.middleware import Edge, EdgeMiddleware, route_label
+from frontend.generation.serving import UsageCounter
 from frontend.settings import Settings
 
 

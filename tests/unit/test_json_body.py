@@ -14,11 +14,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from frontend import json_body, routes, schemas
-from frontend.errors import OpenAIError, install_error_handlers
-from frontend.middleware import Edge, EdgeMiddleware
-from frontend.model_context import ModelContext
-from frontend.schemas import raw_prompts
+from frontend.http import json_body, routes
+
+from frontend.openai import schemas
+from frontend.openai.errors import OpenAIError, install_error_handlers
+from frontend.http.middleware import Edge, EdgeMiddleware
+from frontend.models.registry import ModelContext
+from frontend.openai.schemas import raw_prompts
 from frontend.settings import Settings
 
 CONTEXT_LENGTH = 512

@@ -36,8 +36,8 @@ import launcher.__main__ as launcher_main
 import launcher.tritonserver as launcher_tritonserver
 from build_engine.trtllm import checkpoint_sha256
 from launcher.mpi import tritonserver_argv
-from frontend.metrics import ENGINE_WAITING
-from frontend.routes import router
+from frontend.observability.metrics import ENGINE_WAITING
+from frontend.http.routes import router
 from frontend.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -543,7 +543,7 @@ def test_triton_is_alive_while_the_engine_model_is_ready(overlay: str,
         target.close()
     assert "/v2/health/live" not in live["exec"]["command"][-1]
     # Not ready for a minute before a restart: far longer than any blip, and a rollout never makes the model
-    # unready by name (frontend/rollout.py loads the new version beside the live one). The startup probe,
+    # unready by name (frontend/models/rollout.py loads the new version beside the live one). The startup probe,
     # which holds the liveness probe off until it passes, covers an engine load (the launcher's timeout).
     assert live["periodSeconds"] * live["failureThreshold"] >= 60
     assert live["timeoutSeconds"] > 5  # the script's own timeout (engine_health: 5 s a probe, plus the connect)

@@ -1,5 +1,5 @@
 """benchmarks/metrics.py on synthetic timestamps with hand-computed answers, and the perf_analyzer export
-parser on a small hand-written export; the frontend's relay of Triton's metrics (frontend/metrics.py) against
+parser on a small hand-written export; the frontend's relay of Triton's metrics (frontend/observability/metrics.py) against
 a local HTTP server."""
 
 from __future__ import annotations
@@ -246,14 +246,14 @@ def triton() -> Iterator[FakeTriton]:
 
 
 def test_engine_waiting_sums_the_engines_waiting_gauges() -> None:
-    from frontend.metrics import engine_waiting
+    from frontend.observability.metrics import engine_waiting
 
     assert engine_waiting(TRITON_TEXT) == 3 + 2 + 1.5  # not `scheduled`, not a longer name
     assert engine_waiting("") == 0.0
 
 
 async def test_triton_metrics_are_fetched_once_for_concurrent_scrapes_and_cached(triton: FakeTriton) -> None:
-    from frontend.metrics import TritonMetrics
+    from frontend.observability.metrics import TritonMetrics
 
     now = [100.0]
     relay = TritonMetrics(triton.url, timeout_s=5, max_age_s=1.0, clock=lambda: now[0])
@@ -284,7 +284,7 @@ async def test_triton_metrics_are_fetched_once_for_concurrent_scrapes_and_cached
 
 
 async def test_a_scraper_that_goes_away_does_not_cancel_the_fetch(triton: FakeTriton) -> None:
-    from frontend.metrics import TritonMetrics
+    from frontend.observability.metrics import TritonMetrics
 
     relay = TritonMetrics(triton.url, timeout_s=5, max_age_s=10)
     triton.delay_s = 0.2
@@ -298,7 +298,7 @@ async def test_a_scraper_that_goes_away_does_not_cancel_the_fetch(triton: FakeTr
 
 
 async def test_triton_unavailable_is_a_comment_and_is_cached_too() -> None:
-    from frontend.metrics import TritonMetrics
+    from frontend.observability.metrics import TritonMetrics
 
     server = FakeTriton()  # bound, then closed: nothing listens on its port
     url = server.url
@@ -312,8 +312,8 @@ async def test_triton_unavailable_is_a_comment_and_is_cached_too() -> None:
 
 
 async def test_metrics_page_counts_the_frontends_queue_and_the_engines_as_waiting(triton: FakeTriton) -> None:
-    from frontend.metrics import exposition
-    from frontend.middleware import Edge
+    from frontend.observability.metrics import exposition
+    from frontend.http.middleware import Edge
     from frontend.settings import Settings
 
     edge = Edge(Settings(triton_metrics_url=triton.url, triton_metrics_cache_s=5, max_in_flight=1))

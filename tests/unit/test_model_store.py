@@ -333,7 +333,7 @@ def test_prune_in_another_process_waits_for_the_lock_then_spares_the_version_bei
     code = ("import sys; from pathlib import Path; from build_engine.model_store import ManagedModel; "
             "print(ManagedModel(Path(sys.argv[1])).prune(1))")
     repo = Path(__file__).resolve().parents[2]
-    with model.locked():  # as frontend/rollout.py does before it loads version 2
+    with model.locked():  # as frontend/models/rollout.py does before it loads version 2
         build = subprocess.Popen([sys.executable, "-c", code, str(model.directory)], cwd=repo,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from frontend.reasoning import REASONING_PARSERS, ReasoningParser, prompt_opens_reasoning
-from frontend.tool_parsers import PARSERS, ToolCall, ToolCallParser
+from frontend.parsing.reasoning import REASONING_PARSERS, ReasoningParser, prompt_opens_reasoning
+from frontend.parsing.tool_parsers import PARSERS, ToolCall, ToolCallParser
 
 
 def run(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:

@@ -1,4 +1,4 @@
-"""The request's budget (frontend/request_budget.py): its admission slots, its tokens-per-minute reservation
+"""The request's budget (frontend/http/request_budget.py): its admission slots, its tokens-per-minute reservation
 and its model version lease are each given back exactly once, after the response's last byte, however the
 request ended: normally, with an engine error after the first byte, with the client gone, or at its
 deadline. Through the real app (edge middleware, chat route, serving layer) over a scripted fake engine."""
@@ -12,10 +12,10 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from frontend.app import create_app
-from frontend.engine import EngineRequest, TokenChunk
-from frontend.errors import engine_error
-from frontend.model_context import ModelContext
+from frontend.http.app import create_app
+from frontend.generation.engine import EngineRequest, TokenChunk
+from frontend.openai.errors import engine_error
+from frontend.models.registry import ModelContext
 from frontend.settings import Settings
 from tests.unit.test_chat_plan import MESSAGES, MODEL, THINKING_TOKENIZER, LeasedFakeEngine, OneModel
 from tests.unit.test_serving import tokens_of

@@ -1,4 +1,4 @@
-"""The rollout sequence (frontend/rollout.py) against a fake Triton: what it asks Triton to load, in which
+"""The rollout sequence (frontend/models/rollout.py) against a fake Triton: what it asks Triton to load, in which
 order, what it leaves on disk, and how it waits for the old version's requests."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from build_engine import model_store
-from frontend.errors import OpenAIError
-from frontend.model_context import ModelContext, ModelRegistry, VersionEngine
-from frontend.rollout import Rollouts
+from frontend.openai.errors import OpenAIError
+from frontend.models.registry import ModelContext, ModelRegistry, VersionEngine
+from frontend.models.rollout import Rollouts
 from frontend.settings import Settings
 
 NAME = "assistant"
@@ -169,7 +169,7 @@ async def test_a_model_built_while_serving_joins_when_rolled_out(setup, tmp_path
 def test_admin_routes_are_closed_without_admin_keys_and_keys_do_not_cross() -> None:
     from fastapi.testclient import TestClient
 
-    from frontend.app import create_app
+    from frontend.http.app import create_app
 
     closed = TestClient(create_app(Settings()))  # no lifespan: no Triton needed to be refused
     response = closed.post(f"/admin/models/{NAME}/rollout", json={})

@@ -11,16 +11,16 @@ from typing import AsyncIterator, Callable
 
 import pytest
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.engine import EngineMetadata, EngineRequest, SamplingOptions, TokenChunk
-from frontend.errors import OpenAIError, engine_error
-from frontend.renderers import ChatRenderer, CompletionRenderer
-from frontend.responses import GenerationResponse
-from frontend.schemas import CompletionRequest
-from frontend.reasoning import REASONING_PARSERS
-from frontend.serving import (AnswerParsing, ChoiceJob, Generation, GenerationLimits, UsageCounter, choice_jobs,
+from frontend.text.detokenizer import IncrementalDetokenizer
+from frontend.generation.engine import EngineMetadata, EngineRequest, SamplingOptions, TokenChunk
+from frontend.openai.errors import OpenAIError, engine_error
+from frontend.http.renderers import ChatRenderer, CompletionRenderer
+from frontend.http.generation_response import GenerationResponse
+from frontend.openai.schemas import CompletionRequest
+from frontend.parsing.reasoning import REASONING_PARSERS
+from frontend.generation.serving import (AnswerParsing, ChoiceJob, Generation, GenerationLimits, UsageCounter, choice_jobs,
                              generate_choice)
-from frontend.tool_parsers import PARSERS, ToolCall, named_parser
+from frontend.parsing.tool_parsers import PARSERS, ToolCall, named_parser
 
 EOS = 0
 
@@ -325,7 +325,7 @@ async def test_a_client_leaving_mid_stream_cancels_every_choice() -> None:
 
 
 def test_chat_renderer_streams_role_first_then_content_then_finish() -> None:
-    from frontend.serving import TextDelta
+    from frontend.generation.serving import TextDelta
     renderer = ChatRenderer("m", [0], None, TOKENIZER)
     frames = renderer.stream_start() + renderer.stream_delta(0, TextDelta("hi", "stop"))
     chunks = [json.loads(f.decode()[6:]) for f in frames]
@@ -362,7 +362,7 @@ async def test_a_bug_in_the_generation_path_is_a_500_or_an_error_event_never_a_b
 def test_engine_error_responses_map_to_what_the_client_can_do(message: str, status: int, code: str) -> None:
     from tritonclient.utils import InferenceServerException
 
-    from frontend.triton_engine import error_for
+    from frontend.generation.triton_engine import error_for
     error = error_for(InferenceServerException(message), "tensorrt_llm")
     assert (error.status, error.code) == (status, code)
     assert status != 429 or int(error.headers["Retry-After"]) >= 1

@@ -1,4 +1,4 @@
-"""From OpenAI request fields to the engine's guide (frontend/structured.py): the schemas checked before
+"""From OpenAI request fields to the engine's guide (frontend/planning/structured.py): the schemas checked before
 anything reaches the engine, one guide per request, tool_choice as a grammar over the tools."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from frontend.errors import OpenAIError
-from frontend.schemas import ChatCompletionRequest, CompletionRequest
-from frontend.structured import chat_guide, extension_guide
+from frontend.openai.errors import OpenAIError
+from frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
+from frontend.planning.structured import chat_guide, extension_guide
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

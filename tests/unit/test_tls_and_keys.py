@@ -20,9 +20,9 @@ import uvicorn
 import yaml
 from pydantic import ValidationError
 
-from frontend import auth
+from frontend.policy import auth
 from frontend.__main__ import MINIMUM_TLS, build_config, refuse_secret_flags, tls_context
-from frontend.auth import HashedKeys, KeyStore
+from frontend.policy.auth import HashedKeys, KeyStore
 from frontend.settings import MOZILLA_INTERMEDIATE_CIPHERS, Settings
 from tests.tls import self_signed_certificate
 

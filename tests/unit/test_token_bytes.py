@@ -22,11 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from build_engine.demo_checkpoint import EOS_TOKEN, ensure_demo_checkpoint
-from frontend.logprobs import chat_logprobs
-from frontend.serving import TokenInfo
-from frontend.token_bytes import (BYTE_LEVEL, DECODE, PLAIN, SENTENCEPIECE, apply_plan, build_token_bytes,
+from frontend.http.logprobs import chat_logprobs
+from frontend.generation.serving import TokenInfo
+from frontend.text.token_bytes import (BYTE_LEVEL, DECODE, PLAIN, SENTENCEPIECE, apply_plan, build_token_bytes,
                                   bytes_to_unicode, plan_decoder)
-from frontend.tokenizer import Tokenizer
+from frontend.text.tokenizer import Tokenizer
 from tests.sentencepiece_tokenizer import EOS_TOKEN as SP_EOS_TOKEN
 from tests.sentencepiece_tokenizer import build_sentencepiece_tokenizer
 

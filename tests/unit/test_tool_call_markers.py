@@ -11,12 +11,12 @@ from typing import AsyncIterator
 
 import pytest
 
-from frontend.engine import EngineRequest, SamplingOptions, TokenChunk
-from frontend.renderers import ChatRenderer
-from frontend.responses import GenerationResponse
-from frontend.serving import AnswerParsing, ChoiceJob, Generation
-from frontend.tokenizer import Tokenizer
-from frontend.tool_parsers import PARSERS, ToolCall
+from frontend.generation.engine import EngineRequest, SamplingOptions, TokenChunk
+from frontend.http.renderers import ChatRenderer
+from frontend.http.generation_response import GenerationResponse
+from frontend.generation.serving import AnswerParsing, ChoiceJob, Generation
+from frontend.text.tokenizer import Tokenizer
+from frontend.parsing.tool_parsers import PARSERS, ToolCall
 from tests.unit.test_serving import Client, FakeEngine
 
 SPACE = "\u2581"

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from build_engine import demo_checkpoint
 
-from frontend.tool_parsers import (DONE, PARSERS, JsonObjectScanner, ParsedDelta, ToolCall, ToolCallDelta,
+from frontend.parsing.tool_parsers import (DONE, PARSERS, JsonObjectScanner, ParsedDelta, ToolCall, ToolCallDelta,
                                    ToolCallParser, named_parser, parse_all, parser_for_template)
 
 Factory = Callable[[], ToolCallParser]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from frontend.engine import SamplingOptions
-from frontend.triton_engine import (_new_log_probs, _new_tokens, _top_alternatives, build_inputs, error_for,
+from frontend.generation.engine import SamplingOptions
+from frontend.generation.triton_engine import (_new_log_probs, _new_tokens, _top_alternatives, build_inputs, error_for,
                                     requested_outputs)
 
 

@@ -229,7 +229,7 @@ FRONTEND_OUTPUTS = {"output_ids", "sequence_length"}
 
 
 def frontend_request(**overrides: Any) -> dict[str, np.ndarray]:
-    """What the frontend sends (frontend/triton_engine.py build_inputs), as the backend sees it: batch 1,
+    """What the frontend sends (frontend/generation/triton_engine.py build_inputs), as the backend sees it: batch 1,
     scalar-reshaped inputs as [1]."""
     inputs: dict[str, Any] = {
         "input_ids": np.array([[5, 6, 7]], dtype=np.int32),

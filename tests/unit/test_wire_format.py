@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.sse import DONE, sse_data, sse_json
-from frontend.stop_strings import StopStringMatcher
+from frontend.text.detokenizer import IncrementalDetokenizer
+from frontend.http.sse import DONE, sse_data, sse_json
+from frontend.generation.stop_strings import StopStringMatcher
 
 
 def byte_decode(ids: list[int]) -> str:

@@ -28,7 +28,7 @@ decoder's final `Strip(" ", 1, 0)` (or `Metaspace`'s first-token rule) removes o
 *whole decoded sequence*: `▁Hello` decodes to "Hello" at the start of a sequence and to " Hello" after
 any other token. A token's bytes here are context-free, the token's own: `▁Hello` is b" Hello". That
 matches the response text because the frontend never decodes generated tokens at the start of a
-sequence: `frontend.detokenizer.IncrementalDetokenizer` decodes them after a few tokens of prompt
+sequence: `frontend.text.detokenizer.IncrementalDetokenizer` decodes them after a few tokens of prompt
 context, so a generated `▁Hello` reads " Hello" in the text too, and the bytes of all entries join to
 exactly the text's UTF-8. The one case where they cannot agree is a prompt with no non-special token at
 all (e.g. only `<s>`): the decoder then strips the first generated token's space from the text, and the

@@ -1,7 +1,7 @@
 """One JSON line per request on the `frontend.access` logger (stderr): who, what, how long, how much.
 
 Prompt and completion text are included only when the `log_prompts` setting is on; API keys never are
-(only `key_id`, a salted HMAC of the key: see frontend/auth.py).
+(only `key_id`, a salted HMAC of the key: see frontend/policy/auth.py).
 """
 
 from __future__ import annotations

@@ -25,17 +25,17 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Awaitable, Protocol
 
-from frontend.admission import NeverFits, Rejected, TokenDemand, TokenReservation, tokens_to_charge
-from frontend.errors import OpenAIError, invalid_request, too_many_requests
-from frontend.metrics import TokenTiming
-from frontend.serving import TextDelta
+from frontend.policy.admission import NeverFits, Rejected, TokenDemand, TokenReservation, tokens_to_charge
+from frontend.openai.errors import OpenAIError, invalid_request, too_many_requests
+from frontend.observability.metrics import TokenTiming
+from frontend.generation.serving import TextDelta
 
 if TYPE_CHECKING:
-    from frontend.middleware import Edge, RequestContext
+    from frontend.http.middleware import Edge, RequestContext
 
 
 class Leasable(Protocol):
-    """A model version's engine: leased while a request that picked it runs (frontend/rollout.py)."""
+    """A model version's engine: leased while a request that picked it runs (frontend/models/rollout.py)."""
 
     def lease(self) -> None: ...
 

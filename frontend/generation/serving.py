@@ -25,13 +25,13 @@ import anyio
 if sys.version_info < (3, 11):  # anyio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
 
-from frontend.engine import EngineRequest, Guide, LLMEngine, SamplingOptions, TokenChunk
-from frontend.errors import OpenAIError, engine_error, invalid_request
-from frontend.reasoning import ReasoningParser
-from frontend.schemas import SamplingFields
-from frontend.stop_strings import StopStringMatcher
-from frontend.tokenizer import Tokenizer
-from frontend.tool_parsers import ToolCall, ToolCallDelta, ToolCallParser
+from frontend.generation.engine import EngineRequest, Guide, LLMEngine, SamplingOptions, TokenChunk
+from frontend.openai.errors import OpenAIError, engine_error, invalid_request
+from frontend.parsing.reasoning import ReasoningParser
+from frontend.openai.schemas import SamplingFields
+from frontend.generation.stop_strings import StopStringMatcher
+from frontend.text.tokenizer import Tokenizer
+from frontend.parsing.tool_parsers import ToolCall, ToolCallDelta, ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class TokenTimer(Protocol):
 
 
 class RequestHooks(Protocol):
-    """What the HTTP edge wants to know of a generation (frontend.request_budget.RequestBudget)."""
+    """What the HTTP edge wants to know of a generation (frontend.http.request_budget.RequestBudget)."""
 
     def bounded(self, awaitable: Awaitable[None]) -> Awaitable[None]:
         """Await under the request's deadline (504) and the server's shutdown (503)."""
@@ -229,7 +229,7 @@ async def generate_choice(engine: LLMEngine, tokenizer: Tokenizer, job: ChoiceJo
 class AnswerParsing:
     """How a chat answer's text is taken apart, per choice: reasoning first (`<think>...</think>`), then
     tool calls in what remains. Each factory makes one parser per choice (parsers keep state). Which
-    parsers, and how they start, is the request's chat plan's decision (frontend/chat_plan.py)."""
+    parsers, and how they start, is the request's chat plan's decision (frontend/planning/chat_plan.py)."""
 
     reasoning: Callable[[], ReasoningParser] | None = None
     tool_calls: Callable[[], ToolCallParser] | None = None

@@ -9,20 +9,20 @@ from typing import Any, Callable, TypeVar
 import anyio
 from fastapi import APIRouter, Depends, Request
 
-from frontend.admission import TokenDemand
-from frontend.chat_plan import ChatPlan
-from frontend.engine import Guide
-from frontend.errors import OpenAIError, invalid_request, service_unavailable
-from frontend.json_body import OffLoopJSONRoute, parsed_json
-from frontend.middleware import RequestContext
-from frontend.model_context import ModelContext
-from frontend.renderers import ChatRenderer, CompletionRenderer
-from frontend.request_budget import RequestBudget
-from frontend.responses import GenerationResponse
-from frontend.schemas import (MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+from frontend.policy.admission import TokenDemand
+from frontend.planning.chat_plan import ChatPlan
+from frontend.generation.engine import Guide
+from frontend.openai.errors import OpenAIError, invalid_request, service_unavailable
+from frontend.http.json_body import OffLoopJSONRoute, parsed_json
+from frontend.http.middleware import RequestContext
+from frontend.models.registry import ModelContext
+from frontend.http.renderers import ChatRenderer, CompletionRenderer
+from frontend.http.request_budget import RequestBudget
+from frontend.http.generation_response import GenerationResponse
+from frontend.openai.schemas import (MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               ModelCard, ModelList, SamplingFields, TokenizeRequest, now, raw_prompts)
-from frontend.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs, resolve_max_tokens
-from frontend.structured import extension_guide
+from frontend.generation.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs, resolve_max_tokens
+from frontend.planning.structured import extension_guide
 
 router = APIRouter(route_class=OffLoopJSONRoute)  # large JSON bodies are parsed off the event loop
 T = TypeVar("T")
@@ -40,7 +40,7 @@ def request_budget(request: Request) -> RequestBudget:
 
 async def model_context(request: Request, model: str | None = None) -> ModelContext:
     """The context of the model the request names (404 if not served), leased until the request's last
-    byte: a rollout waits for the requests that picked the version it retires (frontend/rollout.py)."""
+    byte: a rollout waits for the requests that picked the version it retires (frontend/models/rollout.py)."""
     context = await request.app.state.models.get(model)
     ctx = request_context(request)
     ctx.model, ctx.model_version = context.served_model_name, context.version

@@ -2,7 +2,7 @@
 
 A `Deadline` runs awaitables (the wait for admission, a whole generation, streamed or not) in an anyio
 cancel scope that expires with the request, so it nests with the task groups under and around it (the
-client-gone watch of frontend/responses.py); `abort()` (the shutdown grace period is over) cancels those
+client-gone watch of frontend/http/generation_response.py); `abort()` (the shutdown grace period is over) cancels those
 scopes at once. Cancelling the awaitable cancels the Triton requests under it; the caller gets an
 `OpenAIError` (504 `timeout`, or 503 `service_unavailable` for shutdown) to answer with, or to end its
 stream with as an error event before [DONE]. A cancel from outside stays a cancel.
@@ -16,7 +16,7 @@ from typing import Awaitable, TypeVar
 
 import anyio
 
-from frontend.errors import OpenAIError, request_timeout, service_unavailable
+from frontend.openai.errors import OpenAIError, request_timeout, service_unavailable
 
 T = TypeVar("T")
 

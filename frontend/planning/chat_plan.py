@@ -14,7 +14,7 @@ These decisions constrain each other, so they are made together (`ChatPlan.build
 - `parallel_tool_calls` false: at most one call, whatever the tool_choice (the guide of "required" allows
   one; for "auto" the calls after the first are dropped).
 The routes render with `template_tools`, give the engine `guide`, and run the answer through `parsing`;
-the serving layer runs that parsing (frontend/serving.py `parse_answer`) and decides nothing itself.
+the serving layer runs that parsing (frontend/generation/serving.py `parse_answer`) and decides nothing itself.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from frontend.engine import Guide
-from frontend.errors import invalid_request
-from frontend.model_context import ModelContext
-from frontend.reasoning import REASONING_PARSERS, prompt_opens_reasoning
-from frontend.schemas import ChatCompletionRequest, NamedToolChoice
-from frontend.serving import AnswerParsing
-from frontend.structured import chat_guide
-from frontend.tokenizer import Tokenizer
-from frontend.tool_parsers import PARSERS, ParsedDelta, ToolCall, ToolCallParser, named_parser
+from frontend.generation.engine import Guide
+from frontend.openai.errors import invalid_request
+from frontend.models.registry import ModelContext
+from frontend.parsing.reasoning import REASONING_PARSERS, prompt_opens_reasoning
+from frontend.openai.schemas import ChatCompletionRequest, NamedToolChoice
+from frontend.generation.serving import AnswerParsing
+from frontend.planning.structured import chat_guide
+from frontend.text.tokenizer import Tokenizer
+from frontend.parsing.tool_parsers import PARSERS, ParsedDelta, ToolCall, ToolCallParser, named_parser
 
 REASONING_PROMPT_TAIL = 16  # prompt tokens whose text says whether the template opened a <think>
 

@@ -17,10 +17,10 @@ from anyio import CancelScope
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from frontend.errors import OpenAIError
-from frontend.renderers import Renderer
-from frontend.serving import Generation, TextDelta
-from frontend.sse import DONE, sse_json
+from frontend.openai.errors import OpenAIError
+from frontend.http.renderers import Renderer
+from frontend.generation.serving import Generation, TextDelta
+from frontend.http.sse import DONE, sse_json
 
 log = logging.getLogger("frontend")
 T = TypeVar("T")

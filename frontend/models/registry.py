@@ -4,7 +4,7 @@ Two ways to serve (frontend/settings.py):
 - one engine model (ENGINE_MODEL), described by Triton's configs: the default `make serve`;
 - every named model of a repository (MODEL_REPOSITORY, `make engine NAME=...`), each at its live version,
   described by that version's own files (build_engine/model_store.py). A rollout swaps a model's context
-  for the new version's (frontend/rollout.py) while requests that picked the old one finish on it.
+  for the new version's (frontend/models/rollout.py) while requests that picked the old one finish on it.
 
 Contexts load lazily and are retried on every request until they load, so the frontend can start before
 Triton and recover if Triton was down at start; settings given explicitly win over what Triton says.
@@ -27,17 +27,17 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from build_engine import model_store
-from frontend.engine import EngineMetadata, EngineRequest, TokenChunk
-from frontend.errors import OpenAIError, service_unavailable
-from frontend.schemas import ModelVersion
+from frontend.generation.engine import EngineMetadata, EngineRequest, TokenChunk
+from frontend.openai.errors import OpenAIError, service_unavailable
+from frontend.openai.schemas import ModelVersion
 from frontend.settings import Settings
-from frontend.tokenizer import Tokenizer
-from frontend.tool_parsers import parser_for_template
-from frontend.triton_engine import TritonEngine
+from frontend.text.tokenizer import Tokenizer
+from frontend.parsing.tool_parsers import parser_for_template
+from frontend.generation.triton_engine import TritonEngine
 
 log = logging.getLogger("frontend")
 
-# Triton's repository index states (frontend/triton_engine.py TritonEngine.model_index).
+# Triton's repository index states (frontend/generation/triton_engine.py TritonEngine.model_index).
 READY, LOADING = "READY", "LOADING"
 REFRESH_AFTER_FAILURE_S = 1.0  # a request's 503 makes the next request re-read Triton's index, at most this often
 REPAIR_EVERY_S = 30.0  # how often the frontend asks Triton again to load a model's live version it lacks
@@ -107,7 +107,7 @@ class ModelContext:
     context_length: int
     tokenizer: Tokenizer
     max_top_logprobs: int  # most alternatives per token the engine can return (0: none)
-    tool_call_parser: str | None = None  # the family parser for tool_choice auto (frontend/tool_parsers.py)
+    tool_call_parser: str | None = None  # the family parser for tool_choice auto (frontend/parsing/tool_parsers.py)
     reasoning_parser: str | None = None
     engine: VersionEngine | None = None  # where its requests go (None only in unit tests)
     version: str = ""  # the engine model version serving it ("": the single engine model's)
@@ -128,7 +128,7 @@ class ModelRegistry:
         self._refreshed_at = -REFRESH_AFTER_FAILURE_S
         self._repaired_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        # Models whose versions are being switched: by a rollout (frontend/rollout.py uses this as its "one
+        # Models whose versions are being switched: by a rollout (frontend/models/rollout.py uses this as its "one
         # rollout per model" set) or by a repair here. Neither starts while the other runs.
         self.rolling: set[str] = set()
 

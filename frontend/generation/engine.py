@@ -1,6 +1,6 @@
 """What the serving layer needs from an engine, and nothing about how an engine is reached.
 
-The serving layer (frontend/serving.py) talks to this protocol only; `TritonEngine` implements it over
+The serving layer (frontend/generation/serving.py) talks to this protocol only; `TritonEngine` implements it over
 Triton gRPC, and unit tests implement it with a fake that scripts token streams, errors and delays.
 Engine conventions (which tensors exist, how `ignore_eos` is spelled, how a request is cancelled) stay
 behind it.

@@ -8,9 +8,9 @@ from typing import Any, Collection
 
 from transformers import AutoTokenizer
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.errors import invalid_request
-from frontend.token_bytes import TokenBytes, build_token_bytes
+from frontend.text.detokenizer import IncrementalDetokenizer
+from frontend.openai.errors import invalid_request
+from frontend.text.token_bytes import TokenBytes, build_token_bytes
 
 
 class Tokenizer:
@@ -64,7 +64,7 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own raw bytes, for the `bytes` of chat logprobs: part of a character where the
         token splits one (never U+FFFD's), the space of a SentencePiece `▁`, a special token's content.
-        Joined over the generated tokens they are the response text's UTF-8 (frontend.token_bytes)."""
+        Joined over the generated tokens they are the response text's UTF-8 (frontend.text.token_bytes)."""
         return self._token_bytes(token_id)
 
     @property

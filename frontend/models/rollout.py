@@ -22,11 +22,11 @@ from typing import Any
 from tritonclient.utils import InferenceServerException
 
 from build_engine import model_store
-from frontend.errors import OpenAIError, invalid_request
-from frontend.model_context import READY, ModelContext, ModelRegistry
-from frontend.triton_engine import TritonEngine, client_message
+from frontend.openai.errors import OpenAIError, invalid_request
+from frontend.models.registry import READY, ModelContext, ModelRegistry
+from frontend.generation.triton_engine import TritonEngine, client_message
 
-log = logging.getLogger("frontend.rollout")
+log = logging.getLogger("frontend.models.rollout")
 
 
 def _conflict(message: str, code: str) -> OpenAIError:

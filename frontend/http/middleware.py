@@ -1,7 +1,7 @@
 """The edge of every HTTP request, as one ASGI middleware: request id, shutdown, auth, body size and read
 timeout, deadline, metrics and the access log. Each request gets its record, `RequestContext`
 (`request.state.ctx`: what the access log and metrics read), and its `RequestBudget`
-(`request.state.budget`, frontend/request_budget.py), which the middleware holds open around the app until
+(`request.state.budget`, frontend/http/request_budget.py), which the middleware holds open around the app until
 the response has been sent in full. Routes stay thin: they take from the budget what applies to them
 (requests per minute as a route dependency; the model version's lease; tokens per minute and admission
 once the route knows the prompt, max_tokens and how many engine requests it starts), and the budget gives
@@ -29,15 +29,15 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend import access_log
-from frontend.admin import ADMIN_PREFIX
-from frontend.admission import AdmissionGate, RateLimiter, TokenDemand
-from frontend.auth import ANONYMOUS, KeyStore, bearer_token
-from frontend.deadlines import Deadline, Deadlines
-from frontend.errors import OpenAIError, invalid_api_key, invalid_request, payload_too_large, service_unavailable
-from frontend.metrics import CONTENT_TYPE_LATEST, Metrics, TritonMetrics, exposition
-from frontend.request_budget import RequestBudget
-from frontend.serving import UsageCounter
+from frontend.observability import access_log
+from frontend.http.admin import ADMIN_PREFIX
+from frontend.policy.admission import AdmissionGate, RateLimiter, TokenDemand
+from frontend.policy.auth import ANONYMOUS, KeyStore, bearer_token
+from frontend.policy.deadlines import Deadline, Deadlines
+from frontend.openai.errors import OpenAIError, invalid_api_key, invalid_request, payload_too_large, service_unavailable
+from frontend.observability.metrics import CONTENT_TYPE_LATEST, Metrics, TritonMetrics, exposition
+from frontend.http.request_budget import RequestBudget
+from frontend.generation.serving import UsageCounter
 from frontend.settings import Settings
 
 log = logging.getLogger("frontend")
@@ -72,7 +72,7 @@ def route_label(path: str) -> str:
 @dataclass
 class RequestContext:
     """The record of one request, `request.state.ctx` in routes: what the access log and the metrics read.
-    What the request holds (slots, tokens, leases) is its `RequestBudget` (frontend/request_budget.py,
+    What the request holds (slots, tokens, leases) is its `RequestBudget` (frontend/http/request_budget.py,
     `request.state.budget`), which also fills in the generation's part of this record."""
 
     request_id: str
@@ -119,7 +119,7 @@ class Edge:
         self.metrics = Metrics()
         self.metrics.in_flight.set_function(lambda: self.gate.in_flight)
         self.metrics.queued.set_function(lambda: self.gate.queued)
-        # Triton's metrics, relayed on GET /metrics (cached; frontend/metrics.py).
+        # Triton's metrics, relayed on GET /metrics (cached; frontend/observability/metrics.py).
         self.triton_metrics = TritonMetrics(settings.triton_metrics_url, settings.triton_timeout_s,
                                             settings.triton_metrics_cache_s)
         self.metrics.waiting.set_function(lambda: self.gate.queued + self.triton_metrics.engine_waiting)
@@ -248,7 +248,7 @@ class EdgeMiddleware:
         if edge.draining and not is_metrics:
             raise self._reject(ctx, "shutting_down", service_unavailable(
                 "the server is shutting down; not accepting new requests"))
-        # /admin checks admin keys itself (frontend/admin.py): an API key must not open it, nor an admin
+        # /admin checks admin keys itself (frontend/http/admin.py): an API key must not open it, nor an admin
         # key the API.
         is_admin = path.startswith(ADMIN_PREFIX + "/")
         if edge.keys.enabled and not is_admin and (not is_metrics or settings.metrics_require_key):

@@ -1,11 +1,11 @@
 """Structured output: from OpenAI's request fields to the engine's guide (checked before it reaches the engine).
-The parsers that read the answer back are chosen with the guide, in frontend/chat_plan.py.
+The parsers that read the answer back are chosen with the guide, in frontend/planning/chat_plan.py.
 
 Both engines take TensorRT-LLM's guided-decoding interface (a guide type and its text; xgrammar runs it), so
 what a request asks for is turned into one `Guide` here:
 - `response_format`: `json_object` is a JSON schema for any object; `json_schema` is its schema;
 - `tool_choice` "required" and a named tool: the output is forced into the form the guided tool-call parsers
-  read (frontend/tool_parsers.py): for a named tool, its arguments object (the tool's parameters schema);
+  read (frontend/parsing/tool_parsers.py): for a named tool, its arguments object (the tool's parameters schema);
   for "required", a JSON array of `{"name", "parameters"}` objects over all the tools, not "the first tool";
 - vLLM's extensions `guided_json`, `guided_regex`, `guided_grammar` (EBNF, as xgrammar reads it).
 JSON schemas are checked here (a schema that is not one is a 400 naming the field, never an engine
@@ -19,9 +19,9 @@ from typing import Any
 
 import jsonschema
 
-from frontend.engine import Guide
-from frontend.errors import invalid_request
-from frontend.schemas import ChatCompletionRequest, GuidedFields, NamedToolChoice, ToolDefinition
+from frontend.generation.engine import Guide
+from frontend.openai.errors import invalid_request
+from frontend.openai.schemas import ChatCompletionRequest, GuidedFields, NamedToolChoice, ToolDefinition
 
 MAX_SCHEMA_BYTES = 100_000  # a guide is compiled by the engine: bounded like any other client input
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

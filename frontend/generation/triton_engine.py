@@ -22,8 +22,8 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from frontend.engine import EngineMetadata, EngineRequest, SamplingOptions, TokenChunk
-from frontend.errors import OpenAIError, engine_error, invalid_request, service_unavailable, too_many_requests
+from frontend.generation.engine import EngineMetadata, EngineRequest, SamplingOptions, TokenChunk
+from frontend.openai.errors import OpenAIError, engine_error, invalid_request, service_unavailable, too_many_requests
 
 
 def _is_unavailable(exc: BaseException) -> bool:

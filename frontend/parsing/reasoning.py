@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from frontend.tool_parsers import held_prefix_length
+from frontend.parsing.tool_parsers import held_prefix_length
 
 _SPACE = " \t\n\r"
 _SPACE_RUN = re.compile(r"[ \t\n\r]+")

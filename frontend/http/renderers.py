@@ -11,12 +11,12 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
-from frontend.logprobs import TokenStrings, chat_logprobs, completion_logprobs
-from frontend.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
+from frontend.http.logprobs import TokenStrings, chat_logprobs, completion_logprobs
+from frontend.openai.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
                               Completion, CompletionChoice, FunctionCallDeltaOut, FunctionCallOut, ResponseMessage,
                               ToolCallDeltaOut, ToolCallOut, Usage, completion_id, now)
-from frontend.serving import ChoiceResult, TextDelta, UsageCounter
-from frontend.sse import sse_data
+from frontend.generation.serving import ChoiceResult, TextDelta, UsageCounter
+from frontend.http.sse import sse_data
 
 
 class Renderer(Protocol):

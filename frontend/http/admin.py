@@ -12,8 +12,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.auth import bearer_token
-from frontend.errors import OpenAIError, invalid_api_key
+from frontend.policy.auth import bearer_token
+from frontend.openai.errors import OpenAIError, invalid_api_key
 
 ADMIN_PREFIX = "/admin"
 

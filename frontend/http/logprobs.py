@@ -3,7 +3,7 @@
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
 Completions (legacy): `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
 A token's `token` is the text it decodes to on its own. Its `bytes` are the token's own raw bytes
-(`tokenizer.token_bytes`, see frontend.token_bytes), not that text's UTF-8: a token holding part of a
+(`tokenizer.token_bytes`, see frontend.text.token_bytes), not that text's UTF-8: a token holding part of a
 multi-byte character decodes to U+FFFD on its own, while OpenAI's contract is that the entries' bytes
 joined are the response text's UTF-8.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from frontend.serving import TokenInfo
+from frontend.generation.serving import TokenInfo
 
 
 class TokenStrings(Protocol):
-    """What logprobs need of a tokenizer (frontend.tokenizer.Tokenizer, or a test's fake)."""
+    """What logprobs need of a tokenizer (frontend.text.tokenizer.Tokenizer, or a test's fake)."""
 
     def token_text(self, token_id: int) -> str:
         """The token's text on its own (special tokens included): OpenAI's `token`."""

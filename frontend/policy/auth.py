@@ -24,7 +24,7 @@ import logging
 import secrets
 from pathlib import Path
 
-log = logging.getLogger("frontend.auth")
+log = logging.getLogger("frontend.policy.auth")
 
 ANONYMOUS = "anonymous"
 KEY_ID_HEX_DIGITS = 12  # 48 bits: no two of a few thousand keys share an id, short enough to read in a log

@@ -11,14 +11,14 @@ from typing import AsyncIterator
 import anyio
 from fastapi import FastAPI
 
-from frontend import admin
-from frontend.errors import OpenAIError, install_error_handlers
-from frontend.middleware import Edge, EdgeMiddleware
-from frontend.model_context import ModelRegistry
-from frontend.rollout import Rollouts
-from frontend.routes import router
+from frontend.http import admin
+from frontend.openai.errors import OpenAIError, install_error_handlers
+from frontend.http.middleware import Edge, EdgeMiddleware
+from frontend.models.registry import ModelRegistry
+from frontend.models.rollout import Rollouts
+from frontend.http.routes import router
 from frontend.settings import Settings
-from frontend.triton_engine import TritonEngine
+from frontend.generation.triton_engine import TritonEngine
 
 log = logging.getLogger("frontend")
 

@@ -1,0 +1,2 @@
+"""Generation over the engine protocol: the serving layer, the protocol, its Triton implementation,
+stop strings."""

@@ -1,0 +1,1 @@
+"""The served models: the registry (name -> live version, leases, readiness) and rollouts."""

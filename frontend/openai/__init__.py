@@ -1,0 +1,1 @@
+"""The OpenAI wire types: request and response schemas, the error shape."""

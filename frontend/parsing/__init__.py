@@ -1,0 +1,1 @@
+"""Reading answers: tool-call and reasoning parsers."""

@@ -1,0 +1,1 @@
+"""Text <-> tokens: the tokenizer, the incremental detokenizer, token bytes."""
