@@ -238,12 +238,10 @@ class GuideCompiler:
         """The compiled guide for a request's (type, guide) inputs, from the cache when it was seen lately.
         Raises RequestError for inputs that do not name a guide, GuideError for a guide that does not compile."""
         key = check_guide(guide_type, guide)
+        compiled = self.cached(guide_type, guide)
+        if compiled is not None:
+            return compiled
         with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
-                self._cache.move_to_end(key)
-                self.hits += 1
-                return compiled
             self.misses += 1
         compiled = self._compile(*key)  # outside the lock: a slow grammar does not hold up cached ones
         with self._lock:
