@@ -314,10 +314,13 @@ class TritonPythonModel:
         if guided_backend not in ("", "xgrammar"):
             raise pb_utils.TritonModelException(
                 f"guided_decoding_backend must be \"\" (off) or \"xgrammar\", got {guided_backend!r}")
-        self.metrics = EngineMetrics(self.model_name, args["model_version"])
+        # The metric families are made last, once the model has loaded: a stub whose initialize() fails with
+        # Python-backend metric families alive was seen to segfault in their teardown (MetricFamily::
+        # ~MetricFamily -> Metric::Clear), taking tritonserver down with it (a rollout to a corrupt version).
+        self.metrics: EngineMetrics | None = None
         self.channel = self._make_channel()
         self.engine = Engine.from_config(
-            engine_config, cancelled=self.channel.cancelled, on_stats=self.metrics.publish,
+            engine_config, cancelled=self.channel.cancelled, on_stats=self._publish_stats,
             after_step=self._after_step, on_failure=self._engine_failed,
             max_queued=int(_param(config, "cpu_max_queue_size", "0") or 0))
         self.engine.start()  # loads the weights and measures the machine, on the engine's own thread
@@ -336,6 +339,11 @@ class TritonPythonModel:
                 raise
             self.guide_pool = GuidePool(self.guide_compiler)
             pb_utils.Logger.log_info(f"guided decoding: xgrammar, tokenizer from {tokenizer_dir}")
+        self.metrics = EngineMetrics(self.model_name, args["model_version"])
+
+    def _publish_stats(self, stats: EngineStats) -> None:
+        if self.metrics is not None:  # None until initialize() has succeeded
+            self.metrics.publish(stats)
 
     def _make_channel(self) -> TritonChannel:
         """The engine's way to Triton (a subclass may hold responses back: tests/integration/engine_knobs.py)."""
