@@ -37,6 +37,7 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     eos_token_id: int | None = None
+    extra_end_ids: tuple[int, ...] = ()  # more ids that end the answer (generation_config.json), not emitted
     pad_token_id: int | None = None
     ignore_eos: bool = False  # generate until max_tokens even past the end-of-sequence token
     logprobs: bool = False  # the sampled tokens' log-probabilities

@@ -14,6 +14,7 @@ the non-streamed text by construction.
 
 from __future__ import annotations
 
+import secrets
 import sys
 import uuid
 from contextlib import aclosing
@@ -135,8 +136,11 @@ def new_engine_request_id() -> str:
 def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: int, tokenizer: Tokenizer,
                 top_logprobs: int | None, prompt_param: str, guide: Guide | None = None) -> list[ChoiceJob]:
     """`n` jobs per prompt, indexed prompt-major as OpenAI does. With a seed, choice j uses seed + j so
-    that the n choices differ yet the request stays reproducible. `top_logprobs` is None when the
-    request wants no log-probabilities, else how many alternatives per token (0: the sampled token's only)."""
+    that the n choices differ yet the request stays reproducible. Without one, every choice gets a fresh
+    random seed: an engine request always carries one, because TensorRT-LLM seeds a request that has none
+    with 0 (llmRequest.cpp createChildRequest; TensorRT-LLM #1000, #2411), which would make every unseeded
+    sample of a prompt the same. `top_logprobs` is None when the request wants no log-probabilities, else
+    how many alternatives per token (0: the sampled token's only)."""
     jobs = []
     for p, prompt_ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(prompt_ids), req.requested_max_tokens, context_length, prompt_param)
@@ -151,6 +155,7 @@ def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: i
             repetition_penalty=req.repetition_penalty,
             min_tokens=min(req.min_tokens, max_tokens),
             eos_token_id=tokenizer.eos_token_id,
+            extra_end_ids=tuple(i for i in tokenizer.end_token_ids if i != tokenizer.eos_token_id),
             pad_token_id=tokenizer.pad_token_id,
             ignore_eos=req.ignore_eos,
             logprobs=top_logprobs is not None,
@@ -158,7 +163,7 @@ def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: i
             guide=guide,
         )
         for j in range(req.n):
-            seed = None if req.seed is None else (req.seed + j) % 2**63
+            seed = secrets.randbits(63) if req.seed is None else (req.seed + j) % 2**63
             options = replace(base, seed=seed)
             jobs.append(ChoiceJob(p * req.n + j, EngineRequest(new_engine_request_id(), prompt_ids, options)))
     return jobs
@@ -200,11 +205,20 @@ async def generate_choice(engine: LLMEngine, tokenizer: Tokenizer, job: ChoiceJo
     matcher = StopStringMatcher(stop)
     pending: list[TokenInfo] = []
     generated = 0
+    # The engine ends at eos_token_id without emitting it; the other end ids it stops at after emitting them
+    # (TensorRT-LLM's stop_words_list): such a token is the end, not part of the answer or its usage.
+    ends = frozenset(options.extra_end_ids) if not options.ignore_eos else frozenset()
     async with aclosing(engine.generate(job.request)) as chunks:
         async for chunk in chunks:
             if timer is not None:
                 timer.tokens(len(chunk.token_ids))
             for info in token_infos(chunk, options):
+                if info.token_id in ends:
+                    text, stopped = matcher.feed(detokenizer.flush())
+                    if not stopped:
+                        text += matcher.flush()
+                    yield TextDelta(text, "stop", pending)
+                    return
                 generated += 1
                 usage.completion_tokens += 1
                 pending.append(info)

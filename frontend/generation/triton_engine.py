@@ -129,6 +129,12 @@ def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInpu
 NO_END_ID = -1
 
 
+def end_words(token_ids: tuple[int, ...]) -> np.ndarray:
+    """End ids besides `end_id` (which takes one) as TensorRT-LLM stop words, one token each: [1, 2, n], the
+    ids, then each word's end offset (utils.cc convertWordList; the CPU engine reads the same)."""
+    return np.array([[list(token_ids), list(range(1, len(token_ids) + 1))]], dtype=np.int32)
+
+
 def build_inputs(prompt_ids: list[int], options: SamplingOptions) -> list[grpcclient.InferInput]:
     """The engine request for one prompt: batch dimension 1, as the TensorRT-LLM backend expects. Always
     streamed (one response per step), so that the frontend sees every token as it is made and can end
@@ -160,6 +166,8 @@ def build_inputs(prompt_ids: list[int], options: SamplingOptions) -> list[grpccl
     end_id = NO_END_ID if options.ignore_eos else options.eos_token_id
     if end_id is not None:
         inputs.append(scalar("end_id", end_id, np.int32, "INT32"))
+    if options.extra_end_ids and not options.ignore_eos:
+        inputs.append(_tensor("stop_words_list", end_words(options.extra_end_ids), "INT32"))
     if options.pad_token_id is not None:
         inputs.append(scalar("pad_id", options.pad_token_id, np.int32, "INT32"))
     if options.logprobs or options.top_logprobs:

@@ -110,7 +110,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
                              [m.as_template_input() for m in req.messages])
     else:
         check_fits_context(req.prompt or "", context, "prompt")
-        ids = await off_loop(request, context.tokenizer.encode, req.prompt or "")
+        ids = await off_loop(request, context.tokenizer.encode_prompt, req.prompt or "")
     return {"tokens": ids, "count": len(ids), "max_model_len": context.context_length}
 
 
@@ -232,7 +232,7 @@ async def completions(req: CompletionRequest, request: Request) -> GenerationRes
     for prompt in req.prompts:
         if isinstance(prompt, str):
             check_fits_context(prompt, context, "prompt")
-            prompts.append(await off_loop(request, context.tokenizer.encode, prompt))
+            prompts.append(await off_loop(request, context.tokenizer.encode_prompt, prompt))
         else:
             check_token_ids(prompt, context, "prompt")
             prompts.append(list(prompt))

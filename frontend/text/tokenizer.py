@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any, Collection
 
@@ -13,12 +14,28 @@ from frontend.openai.errors import invalid_request
 from frontend.text.token_bytes import TokenBytes, build_token_bytes
 
 
+def end_token_ids(eos_token_id: int | None, checkpoint_dir: Path, vocab_size: int) -> tuple[int, ...]:
+    """The tokenizer's eos id, then the other ids `generation_config.json` ends generation with (an int or a
+    list), each once and inside the vocabulary."""
+    ids = [eos_token_id] if eos_token_id is not None else []
+    try:
+        configured = json.loads((checkpoint_dir / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        configured = None
+    ids += configured if isinstance(configured, list) else [configured]
+    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and not isinstance(i, bool)
+                               and 0 <= i < vocab_size))
+
+
 class Tokenizer:
     def __init__(self, tokenizer_dir: Path, chat_template: Path | None = None):
         self._tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         if chat_template is not None:
             self._tok.chat_template = Path(chat_template).read_text()
         self.eos_token_id: int | None = self._tok.eos_token_id
+        # Every id that ends an answer: the tokenizer's eos first, then generation_config.json's (Llama 3.1
+        # Instruct ends tool turns with <|eom_id|>, chat turns with <|eot_id|>, documents with <|end_of_text|>).
+        self.end_token_ids: tuple[int, ...] = end_token_ids(self.eos_token_id, Path(tokenizer_dir), len(self._tok))
         pad = self._tok.pad_token_id
         self.pad_token_id: int | None = pad if pad is not None else self.eos_token_id
         self.vocab_size = len(self._tok)
@@ -38,7 +55,14 @@ class Tokenizer:
         return len(text) > tokens * self.max_token_bytes or len(text.encode("utf-8")) > tokens * self.max_token_bytes
 
     def encode(self, text: str) -> list[int]:
+        """Text as it appears inside a prompt: no special tokens added."""
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A whole prompt (/v1/completions, /tokenize): with the special tokens the tokenizer adds by default,
+        as Hugging Face and vLLM encode one, so models trained with a BOS (Llama 2, Mistral) get it. A chat
+        prompt is what its template renders, BOS included, and never comes through here."""
+        return list(self._tok.encode(text, add_special_tokens=True))
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -12,7 +12,9 @@ demo checkpoint so that greedy decoding follows a fixed successor chain, token b
   SCALE * sqrt(hidden) (about 23) and every other logit is exactly 0.
 
 Greedy decoding therefore generates succ(x) after x whatever came before, i.e. it walks the chain from
-its start token to the end token (the tokenizer's eos id, so generation stops there). Two chains live
+its start token to its end token, where generation stops: for the demo chain the second end id of
+`generation_config.json` (`<|end_of_text|>`, not the tokenizer's eos: every end id must end an answer),
+for the SentencePiece chain the tokenizer's eos id. Two chains live
 in one model, one per tokenizer (the demo byte-level BPE, and a SentencePiece byte-fallback tokenizer
 of the same 4096-entry vocabulary size, tests/sentencepiece_tokenizer.py); their ids must not overlap
 (asserted), since succ is a function of the token alone. Each chain starts at the last token of that
@@ -59,7 +61,7 @@ class ScriptedChain:
     prompt_ids: list[int]  # a completion prompt (the same prompt, as token ids) ending with the start token
     token_ids: list[int]  # the generated tokens (the end token, which is not emitted, excluded)
     text: str  # the response text: the tokens decoded after the prompt
-    end_id: int  # the tokenizer's eos id, where generation stops
+    end_id: int  # where generation stops: an end id that is not emitted
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ def add_scripted_model(model_repository: Path, work_dir: Path) -> ScriptedModel:
     sentencepiece_dir = work_dir / "sentencepiece"
     vocab_size = json.loads((demo_dir / "config.json").read_text())["vocab_size"]
     build_sentencepiece_tokenizer(sentencepiece_dir, vocab_size=vocab_size)
-    demo = _chain(demo_dir, DEMO_TEXT)
+    end_ids = json.loads((demo_dir / "generation_config.json").read_text())["eos_token_id"]
+    demo = _chain(demo_dir, DEMO_TEXT, end_id=end_ids[1])  # the demo lists [eos, <|end_of_text|>]
     sentencepiece = _chain(sentencepiece_dir, SENTENCEPIECE_TEXT)
     checkpoint_dir = work_dir / SERVED_MODEL_NAME  # build_engine serves a checkpoint under its folder name
     write_scripted_checkpoint(demo_dir, checkpoint_dir, [demo, sentencepiece])
@@ -116,8 +119,9 @@ def _engine_config(model_repository: Path) -> dict[str, Any]:
     return config
 
 
-def _chain(tokenizer_dir: Path, text: str) -> ScriptedChain:
-    """The chain for `text` under one tokenizer, starting at its chat prompt's last token."""
+def _chain(tokenizer_dir: Path, text: str, end_id: int | None = None) -> ScriptedChain:
+    """The chain for `text` under one tokenizer, starting at its chat prompt's last token and ending at
+    `end_id` (by default the tokenizer's eos)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -134,7 +138,7 @@ def _chain(tokenizer_dir: Path, text: str) -> ScriptedChain:
     full = decode(prompt_ids + token_ids)
     assert full.startswith(prefix), (prefix, full)
     return ScriptedChain(tokenizer_dir, CHAT_MESSAGES, prompt_ids, token_ids, full[len(prefix):],
-                         tokenizer.eos_token_id)
+                         tokenizer.eos_token_id if end_id is None else end_id)
 
 
 def successors(chains: list[ScriptedChain]) -> dict[int, int]:

@@ -75,6 +75,27 @@ def test_the_scripted_text_splits_characters(scripted_stack: ScriptedStack, name
     assert any(tokenizer.decode([t]) == "\ufffd" for t in chain.token_ids)
 
 
+def test_the_demo_chain_ends_at_the_second_end_id(scripted_stack: ScriptedStack) -> None:
+    """The demo chain's answer ends with `<|end_of_text|>`, the second id of generation_config.json's
+    `eos_token_id` (not the tokenizer's eos): the answer must end there, `stop`, without the id in its text
+    or usage (the other tests here check the text and the counts), streamed or not."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    chain = scripted_stack.chain("demo")
+    tokenizer = AutoTokenizer.from_pretrained(str(chain.tokenizer_dir))
+    end_ids = json.loads((scripted_stack.model.checkpoint_dir / "generation_config.json").read_text())["eos_token_id"]
+    assert chain.end_id == end_ids[1] != tokenizer.eos_token_id
+    client = scripted_stack.clients["demo"]
+    for stream in (False, True):
+        reply = client.completions.create(model=scripted_stack.model.served_model_name, prompt=chain.prompt_ids,
+                                          temperature=0, max_tokens=MAX_TOKENS, stream=stream)
+        choices = [c for chunk in reply for c in chunk.choices] if stream else reply.choices
+        assert "".join(c.text for c in choices) == chain.text
+        assert [c.finish_reason for c in choices if c.finish_reason] == ["stop"]
+
+
 @pytest.mark.parametrize("name", CHAINS)
 def test_chat_logprob_bytes_join_to_the_text(scripted_stack: ScriptedStack, name: str) -> None:
     chain = scripted_stack.chain(name)

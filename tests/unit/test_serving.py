@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 import pytest
@@ -30,6 +30,7 @@ class ByteTokenizer:
     tokenizer at worst: characters split across tokens."""
 
     eos_token_id = EOS
+    end_token_ids = (EOS, 300)  # 300: a second end id (generation_config.json's), as on Llama 3.1
     pad_token_id = EOS
 
     @staticmethod
@@ -38,7 +39,7 @@ class ByteTokenizer:
 
     @staticmethod
     def decode(ids: list[int]) -> str:
-        return bytes(t - 1 for t in ids if t != EOS).decode("utf-8", errors="replace")
+        return bytes(t - 1 for t in ids if 0 < t <= 256).decode("utf-8", errors="replace")  # specials: none
 
     def detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.decode, prompt_tail=prompt_ids)
@@ -127,6 +128,27 @@ async def test_length_and_natural_stop_finish_reasons() -> None:
     assert deltas[-1].finish_reason == "stop" and usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize("per_chunk", [1, 100])
+async def test_an_extra_end_id_ends_the_answer_without_its_text_or_usage(per_chunk: int) -> None:
+    """TensorRT-LLM emits a stop word's token before it stops: the frontend ends the answer there."""
+    async def script(request: EngineRequest) -> AsyncIterator[TokenChunk]:
+        ids = TOKENIZER.encode("ab") + [300] + TOKENIZER.encode("cd")
+        for i in range(0, len(ids), per_chunk):
+            yield TokenChunk(ids[i:i + per_chunk], None, None)
+
+    usage = UsageCounter(0)
+    engine = FakeEngine(script)
+    choice = choice_jobs(CompletionRequest(model="m", prompt="p", max_tokens=5), [[1]], 512, TOKENIZER, None,
+                         "prompt")[0]
+    assert choice.request.options.extra_end_ids == (300,)
+    deltas = await deltas_of(engine, choice, [], usage)
+    assert "".join(d.text for d in deltas) == "ab" and deltas[-1].finish_reason == "stop"
+    assert usage.completion_tokens == 2 == sum(len(d.tokens) for d in deltas)
+    ignoring = ChoiceJob(0, EngineRequest("r", [1], replace(choice.request.options, ignore_eos=True)))
+    deltas = await deltas_of(FakeEngine(script), ignoring, [], UsageCounter(0))
+    assert deltas[-1].finish_reason == "length"  # ignore_eos: no id ends the answer
+
+
 async def test_text_that_only_looks_like_a_stop_string_is_released_at_the_end() -> None:
     deltas = await deltas_of(FakeEngine(tokens_of("say STO")), job(), ["STOP"], UsageCounter(0))
     assert "".join(d.text for d in deltas) == "say STO" and deltas[-1].finish_reason == "stop"
@@ -162,6 +184,15 @@ def test_every_choice_gets_its_own_server_made_engine_request_id() -> None:
     assert len(ids) == 6 and all(len(i) == 32 for i in ids)  # uuid4 hex, nothing from the client
     assert [j.request.options.seed for j in jobs[:3]] == [7, 8, 9]
     assert all(j.request.options.eos_token_id == EOS and not j.request.options.ignore_eos for j in jobs)
+
+
+def test_unseeded_choices_each_carry_a_fresh_random_seed() -> None:
+    """TensorRT-LLM seeds a request without one with 0: every engine request must carry its own."""
+    req = CompletionRequest(model="m", prompt="a", n=4, max_tokens=5)
+    seeds = [j.request.options.seed for j in choice_jobs(req, [[1]], 512, TOKENIZER, None, "prompt")]
+    again = [j.request.options.seed for j in choice_jobs(req, [[1]], 512, TOKENIZER, None, "prompt")]
+    assert all(isinstance(seed, int) and 0 <= seed < 2**63 for seed in seeds + again)
+    assert len(set(seeds + again)) == 8
 
 
 def test_limits_name_the_parameter() -> None:
@@ -438,3 +469,15 @@ async def test_guided_named_and_required_answers_become_calls() -> None:
                           parsing=AnswerParsing(None, lambda: PARSERS["required"](stream_arguments=True)))
     result = (await required.collect())[0]
     assert [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == [("a", {"x": 1}), ("b", {})]
+
+
+def test_end_token_ids_are_the_tokenizer_eos_then_generation_config_s(tmp_path) -> None:
+    from frontend.text.tokenizer import end_token_ids
+
+    assert end_token_ids(2, tmp_path, 100) == (2,)  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 2, 7, 1000, True]}))
+    assert end_token_ids(2, tmp_path, 100) == (2, 5, 7)  # once each, inside the vocabulary
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert end_token_ids(None, tmp_path, 100) == (9,)
+    (tmp_path / "generation_config.json").write_text("not json")
+    assert end_token_ids(2, tmp_path, 100) == (2,)

@@ -10,7 +10,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from frontend.generation.engine import SamplingOptions
-from frontend.generation.triton_engine import (_new_log_probs, _new_tokens, _top_alternatives, build_inputs, error_for,
+from frontend.generation.triton_engine import (_new_log_probs, _new_tokens, _top_alternatives, build_inputs, end_words, error_for,
                                     requested_outputs)
 
 
@@ -34,6 +34,15 @@ def test_log_probs_are_asked_for_with_return_log_probs_only_when_wanted() -> Non
     assert not {"output_top_log_prob_ids", "output_top_log_probs"} & set(requested_outputs(sampled))
     alternatives = SamplingOptions(max_tokens=4, logprobs=True, top_logprobs=3)
     assert {"return_log_probs", "top_logprobs"} <= input_names(alternatives)
+
+
+def test_end_ids_besides_end_id_go_as_one_token_stop_words_unless_eos_is_ignored() -> None:
+    inputs = {t.name(): t for t in build_inputs([1], SamplingOptions(max_tokens=4, eos_token_id=2,
+                                                                     extra_end_ids=(7, 9)))}
+    assert inputs["stop_words_list"].shape() == [1, 2, 2]
+    assert end_words((7, 9)).tolist() == [[[7, 9], [1, 2]]]  # ids, then each word's end offset
+    ignoring = SamplingOptions(max_tokens=4, eos_token_id=2, extra_end_ids=(7,), ignore_eos=True)
+    assert "stop_words_list" not in input_names(ignoring)
 
 
 class Result:
