@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     admin_api_keys_file: Path | None = Field(None, description="file of admin keys, one per line; re-read on SIGHUP")
     rollout_grace_s: float = Field(60.0, ge=0, description="on rollout, how long requests on the old version may "
                                                            "take to finish before it is unloaded")
+    rollout_hold_s: float = Field(300.0, gt=0, description="a rollout that swaps versions (TensorRT-LLM: one GPU "
+                                                           "holds one engine) holds the model's new requests "
+                                                           "while it does; past this wait they get a 503")
     metrics_require_key: bool = Field(False, description="GET /metrics needs an API key too (when keys are set)")
     # Admission control
     max_in_flight: int = Field(64, ge=1, description="generation requests running at once; more wait in a queue")

@@ -340,6 +340,15 @@ class TritonEngine:
         InferenceServerException with Triton's reason when a version fails to load."""
         await self._client.load_model(model, headers=self._control)
 
+    async def unload_model(self, model: str) -> None:
+        """Ask Triton to unload every version of `model`; it returns once they are unloaded (a TensorRT-LLM
+        executor finishes its in-flight requests first: executorImpl.cpp executionLoop)."""
+        await self._client.unload_model(model, headers=self._control)
+
+    async def parameter(self, model: str, key: str) -> str:
+        """One parameter of the model's config ("" when it has none)."""
+        return (await self._parameters(model)).get(key, "")
+
     async def model_index(self) -> dict[str, dict[str, str]]:
         """What Triton has loaded: model name -> {version: state} from its repository index (READY, LOADING,
         UNLOADING, UNAVAILABLE; a model in the repository that was never loaded has no versions). The index is

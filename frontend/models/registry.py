@@ -128,6 +128,7 @@ class ModelRegistry:
         self._refreshed_at = -REFRESH_AFTER_FAILURE_S
         self._repaired_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._holds: dict[str, asyncio.Event] = {}  # models whose new requests wait for a version swap: held()
         # Models whose versions are being switched: by a rollout (frontend/models/rollout.py uses this as its "one
         # rollout per model" set) or by a repair here. Neither starts while the other runs.
         self.rolling: set[str] = set()
@@ -166,6 +167,8 @@ class ModelRegistry:
                 raise service_unavailable(f"no named model in {self._repository}; build one with "
                                           "`make engine NAME=...`")
             key = ids[0]
+        if key is not None and key in self._holds:
+            await self._wait_for_swap(key)
         context = self._contexts.get(key)
         if (self.named and context is not None and context.engine is not None and context.engine.suspect
                 and time.monotonic() - self._refreshed_at >= REFRESH_AFTER_FAILURE_S):
@@ -189,6 +192,28 @@ class ModelRegistry:
         if model is not None and model != context.served_model_name:
             raise self.not_found(model)
         return context
+
+    @contextlib.asynccontextmanager
+    async def held(self, name: str) -> AsyncIterator[None]:
+        """While this is entered, new requests for `name` wait in get() (each up to the settings' rollout_hold_s, then a
+        503) and go on to whatever context it ends with: a rollout that must unload a version before it can
+        load the next (one GPU holds one TensorRT-LLM engine) makes clients wait instead of fail. Requests
+        that got their context before it started keep it (and their lease)."""
+        gate = asyncio.Event()
+        self._holds[name] = gate
+        try:
+            yield
+        finally:
+            del self._holds[name]
+            gate.set()
+
+    async def _wait_for_swap(self, name: str) -> None:
+        gate = self._holds[name]
+        try:
+            await asyncio.wait_for(gate.wait(), self._settings.rollout_hold_s)
+        except asyncio.TimeoutError:
+            raise service_unavailable(f"the model {name!r} is switching versions and has not finished within "
+                                      f"{self._settings.rollout_hold_s:.0f} s; retry the request") from None
 
     def current(self, name: str) -> ModelContext | None:
         """The context a named model's requests go to now (None: none loaded yet)."""

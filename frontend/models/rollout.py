@@ -7,6 +7,18 @@ A rollout to version N of a model whose live version is L (build_engine/model_st
   3. requests that picked L finish on it, for at most `rollout_grace_s`;
   4. the state file records N as live and L as the rollback target, and the policy becomes [N]: Triton
      unloads L (requests still on it past the grace period end with an error).
+That needs room for two engines at once. A TensorRT-LLM engine sizes its KV cache from the GPU memory free when
+it loads (kv_cache_free_gpu_mem_fraction), so beside a live engine the next one either fails to load or keeps a
+tiny cache for good (tensorrtllm_backend docs/llama_multi_instance.md). A model whose config says
+`rollout_strategy: swap` (values/trtllm.json) is therefore rolled out by swapping instead:
+  1. the model's new requests are held in the frontend (ModelRegistry.held: they wait, they do not fail);
+  2. requests on L finish, for at most `rollout_grace_s`;
+  3. Triton unloads L, then loads N alone (policy [N], `live` -> N), and the frontend loads N's context;
+  4. the held requests go to N; the state file records N as live and L as the rollback target.
+If N fails to load, L is loaded again and the held requests go to it. The pause is the drain plus the unload
+and the load (an engine load on a GPU: seconds to minutes). A tensor-parallel engine (world_size > 1) is
+refused: its other ranks are separate tritonservers that never see the load (roll such a model out at pod
+level: a new Deployment revision).
 A rollback is a rollout to the recorded previous version. One rollout per model at a time. Each edit of the
 policy, link and state holds the model's lock (model_store.ManagedModel.locked), which a build's prune takes
 too: a version named in the policy is never pruned, so N cannot vanish while it loads.
@@ -31,6 +43,20 @@ log = logging.getLogger("frontend.models.rollout")
 
 def _conflict(message: str, code: str) -> OpenAIError:
     return OpenAIError(409, message, "invalid_request_error", None, code)
+
+
+SWAP = "swap"  # the `rollout_strategy` parameter that makes a rollout unload the old version first
+UNLOAD_POLL_S = 0.1
+
+
+def _load_failed(name: str, target: int, reason: str, serving: int | None) -> OpenAIError:
+    still = f"; version {serving} still serves" if serving is not None else ""
+    return OpenAIError(422, f"version {target} of model '{name}' failed to load{still}. Reason: {reason}",
+                       "invalid_request_error", "version", "version_load_failed")
+
+
+def _reason(exc: BaseException) -> str:
+    return client_message(exc.message() if isinstance(exc, InferenceServerException) else str(exc))
 
 
 class Rollouts:
@@ -82,6 +108,8 @@ class Rollouts:
             context = await (self._registry.load_version(name, live) if loaded else self._load_first(model, live))
             await self._registry.switch(context)
             return self._result(model, live, None, drained=True, started=started, changed=True)
+        if await self._triton.parameter(name, "rollout_strategy") == SWAP:
+            return await self._swap(model, live, target, started)
         context = await self._load_beside(model, live, target)
         old = await self._registry.switch(context)
         log.info("model %s: new requests go to version %d; waiting up to %.0f s for version %d to drain",
@@ -102,6 +130,69 @@ class Rollouts:
             log.error("model %s: unloading version %d failed: %s", name, live, client_message(exc.message()))
         return self._result(model, target, live, drained=drained, started=started, changed=True)
 
+    async def _swap(self, model: model_store.ManagedModel, live: int, target: int, started: float) -> dict[str, Any]:
+        """Unload `live`, then load `target`, with the model's new requests held meanwhile (module docstring)."""
+        name = model.name
+        for version in (live, target):
+            if int(model.record(version).get("world_size") or 1) > 1:
+                raise _conflict(f"version {version} of model '{name}' is a tensor-parallel engine (world_size "
+                                f"{model.record(version)['world_size']}): its ranks are separate processes that an "
+                                "in-place rollout cannot reach; roll it out at pod level", "rollout_not_supported")
+        async with self._registry.held(name):
+            old = self._registry.current(name)
+            drained = True
+            if old is not None and old.engine is not None:
+                log.info("model %s: holding new requests; waiting up to %.0f s for version %d to drain", name,
+                         self._grace_s, live)
+                drained = await old.engine.drained(self._grace_s)
+                if not drained:
+                    log.warning("model %s: %d request(s) still on version %d after %.0f s; unloading it anyway",
+                                name, old.engine.leases, live, self._grace_s)
+            with model.locked():
+                if target not in model.versions():
+                    raise OpenAIError(404, f"model '{name}' has no version {target} on disk any more",
+                                      "invalid_request_error", "version", "version_not_found")
+                model.set_loaded([target])
+                model.point_live_link(target)
+            try:
+                await self._unload(name)
+                await self._triton.load_model(name)
+                if not await self._triton.is_ready(name, str(target)):
+                    raise RuntimeError(f"Triton does not report version {target} ready after loading it")
+                context = await self._registry.load_version(name, target)
+            except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, RuntimeError,
+                    KeyError, ValueError) as exc:
+                reason = _reason(exc)
+                log.error("model %s: version %d failed to load (%s); loading version %d again", name, target,
+                          reason, live)
+                raise _load_failed(name, target, reason, await self._restore(model, live)) from exc
+            await self._registry.switch(context)
+            with model.locked():
+                model.commit(live=target, previous=live)
+        return self._result(model, target, live, drained=drained, started=started, changed=True)
+
+    async def _unload(self, name: str) -> None:
+        """Unload every version of `name` and wait until Triton holds none of them any more (its GPU memory
+        is free only then)."""
+        await self._triton.unload_model(name)
+        while {"READY", "UNLOADING"} & set((await self._triton.model_index()).get(name, {}).values()):
+            await asyncio.sleep(UNLOAD_POLL_S)
+
+    async def _restore(self, model: model_store.ManagedModel, live: int) -> int | None:
+        """After a failed swap: `live` loaded and routed again; the version serving (None if even it fails)."""
+        with model.locked():
+            model.set_loaded([live])
+            model.point_live_link(live)
+        try:
+            await self._unload(model.name)  # whatever of the failed version did load
+            await self._triton.load_model(model.name)
+            await self._registry.switch(await self._registry.load_version(model.name, live))
+            return live
+        except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, KeyError,
+                ValueError) as exc:  # the registry's repair loads it again later; readiness says 503 meanwhile
+            log.error("model %s: version %d did not load again either: %s", model.name, live, _reason(exc))
+            return None
+
     async def _load_first(self, model: model_store.ManagedModel, version: int) -> ModelContext:
         try:
             await asyncio.to_thread(model.settle)  # the policy and link as rollout.json says: `version` alone
@@ -109,9 +200,7 @@ class Rollouts:
             return await self._registry.load_version(model.name, version)
         except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, KeyError,
                 ValueError) as exc:
-            reason = client_message(exc.message() if isinstance(exc, InferenceServerException) else str(exc))
-            raise OpenAIError(422, f"version {version} of model '{model.name}' failed to load: {reason}",
-                              "invalid_request_error", "version", "version_load_failed") from exc
+            raise _load_failed(model.name, version, _reason(exc), None) from exc
 
     async def _load_beside(self, model: model_store.ManagedModel, live: int, target: int) -> ModelContext:
         """Load `target` next to `live` and its context; on any failure, put everything back as it was."""
@@ -130,7 +219,7 @@ class Rollouts:
             return await self._registry.load_version(name, target)
         except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, RuntimeError,
                 KeyError, ValueError) as exc:
-            reason = client_message(exc.message() if isinstance(exc, InferenceServerException) else str(exc))
+            reason = _reason(exc)
             with model.locked():
                 model.set_loaded([live])
                 model.point_live_link(live)
@@ -140,9 +229,7 @@ class Rollouts:
                 pass
             log.error("model %s: version %d failed to load; version %d still serves: %s", name, target, live,
                       reason)
-            raise OpenAIError(422, f"version {target} of model '{name}' failed to load; version {live} still "
-                                   f"serves. Reason: {reason}", "invalid_request_error", "version",
-                              "version_load_failed") from exc
+            raise _load_failed(name, target, reason, live) from exc
 
     @staticmethod
     def _result(model: model_store.ManagedModel, live: int, previous: int | None, *, drained: bool,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -266,11 +267,13 @@ def test_a_version_that_fails_to_load_leaves_the_live_one_serving(served: Served
     assert f"versions: [ {live} ]" in config  # the policy on disk is back to the live version alone
 
 
-def test_the_tensorrt_llm_layout_rolls_out_through_the_live_link(stack: Stack,
-                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+async def test_the_tensorrt_llm_layout_swaps_versions_under_load_through_the_live_link(
+        stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The same two models and rollout in the TensorRT-LLM layout, run by the contract double, which (like
     the C++ backend) reads its engine from the shared config's gpt_model_path only: version 2 serves its
-    own weights only if the rollout pointed the `live` link at it before loading it."""
+    own weights only if the rollout pointed the `live` link at it before loading it. The TensorRT-LLM values
+    say `rollout_strategy: swap` (one GPU holds one engine): the old version is unloaded before the new one
+    loads, with the six looping streams held meanwhile, and not one of their requests fails."""
     out, checkpoints = tmp_path_factory.mktemp("named_trtllm"), tmp_path_factory.mktemp("checkpoints_trtllm")
     build_two_models(stack, out, checkpoints)
     demo_dir = stack.scripted.demo.tokenizer_dir
@@ -278,13 +281,25 @@ def test_the_tensorrt_llm_layout_rolls_out_through_the_live_link(stack: Stack,
     make_named_contract_doubles(out / "models")
     config = (out / "models" / ASSISTANT / "config.pbtxt").read_text()
     assert f'{out / "models" / ASSISTANT / "live" / "engine"}"' in config and "versions: [ 1 ]" in config
+    assert 'key: "rollout_strategy"\n  value: { string_value: "swap" }' in config
     with launched(out) as served:
         assert (chat(served, ASSISTANT), chat(served, CODER)) == (V1_TEXT, CODER_TEXT)
-        result = make(served, "rollout", f"NAME={ASSISTANT}", "VERSION=2")
+        result, answers, after, coder, failures = await answers_while(
+            served, ["rollout", f"NAME={ASSISTANT}", "VERSION=2"])
+        assert failures == []
         assert result.returncode == 0, result.stdout + result.stderr
-        assert (chat(served, ASSISTANT), chat(served, CODER)) == (V2_TEXT, CODER_TEXT)
-        result = make(served, "rollback", f"NAME={ASSISTANT}")
-        assert result.returncode == 0, result.stdout + result.stderr
+        print(f"\nswap under load: {len(answers)} assistant + {len(coder)} coder answers, {len(failures)} failed; "
+              f"{result.stdout.strip()}")
+        assert set(answers) <= {V1_TEXT, V2_TEXT} and after == [V2_TEXT] * STREAMS
+        assert set(coder) == {CODER_TEXT}, coder
+        result, answers, after, coder, failures = await answers_while(served, ["rollback", f"NAME={ASSISTANT}"])
+        assert failures == [] and result.returncode == 0, result.stdout + result.stderr
+        assert set(answers) <= {V1_TEXT, V2_TEXT} and after == [V1_TEXT] * STREAMS
         assert (chat(served, ASSISTANT), chat(served, CODER)) == (V1_TEXT, CODER_TEXT)
     log = (out / "logs" / "tritonserver.log").read_text()
     assert "TEST MODEL, the TensorRT-LLM contract double" in log  # the double served, not the CPU model
+    # Never two versions at once: each load of the assistant starts after the version before it has unloaded.
+    events = re.findall(rf"loading: {ASSISTANT}:(\d+)|successfully unloaded '{ASSISTANT}' version (\d+)", log)
+    order = [("load", loading) if loading else ("unloaded", unloaded) for loading, unloaded in events]
+    assert order == [("load", "1"), ("unloaded", "1"), ("load", "2"), ("unloaded", "2"), ("load", "1"),
+                     ("unloaded", "1")], order  # the last: the launcher stopping

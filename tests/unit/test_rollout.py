@@ -31,6 +31,15 @@ class FakeTriton:
         self.fail_versions: set[int] = set()
         self.gate: asyncio.Event | None = None  # when set: the first load waits for it
         self.ready: dict[str, set[int]] = {model.name: set(model.loaded_versions())}
+        self.strategy = "beside"  # the model config's rollout_strategy
+        self.most_loaded = len(self.ready[model.name])  # the most versions of the model loaded at once
+
+    async def parameter(self, model: str, key: str) -> str:
+        return self.strategy if key == "rollout_strategy" else ""
+
+    async def unload_model(self, name: str) -> None:
+        self.loads.append(([], None))
+        self.ready[name] = set()
 
     async def model_index(self) -> dict[str, dict[str, str]]:
         return {name: {str(v): "READY" for v in versions} for name, versions in self.ready.items()}
@@ -49,6 +58,7 @@ class FakeTriton:
             raise InferenceServerException(f"load failed for model '{name}': version {min(failing)} is at "
                                            "UNAVAILABLE state: corrupt weights")
         self.ready[name] = set(loaded)
+        self.most_loaded = max(self.most_loaded, len(loaded))
 
     async def is_ready(self, model: str | None = None, version: str = "") -> bool:
         return True
@@ -354,3 +364,62 @@ def test_the_launcher_settles_every_model_before_each_triton_restart(tmp_path: P
         model.point_live_link(2)
     triton.start()  # the supervisor's restart
     assert started == [([1], 1), ([1], 1)]
+
+
+# ----- swap (rollout_strategy "swap": TensorRT-LLM, one engine per GPU) -------------------------------------
+async def test_a_swap_holds_new_requests_drains_unloads_then_loads_the_new_version_alone(setup) -> None:
+    model, triton, registry = setup
+    triton.strategy = "swap"
+    old = await registry.get(NAME)
+    old.engine.lease()  # a request still streaming on version 1
+    triton.gate = asyncio.Event()  # the load of version 2 waits for the test
+    rollout = asyncio.create_task(Rollouts(registry, triton, grace_s=60).rollout(NAME, 2))  # type: ignore[arg-type]
+    while NAME not in registry._holds:
+        await asyncio.sleep(0)
+    held = asyncio.create_task(registry.get(NAME))  # a new request: waits, does not fail
+    await asyncio.sleep(0.05)
+    assert not held.done() and triton.loads == []  # nothing unloaded while version 1 has a request
+    old.engine.release()
+    while len(triton.loads) < 2:
+        await asyncio.sleep(0)
+    assert triton.loads == [([], None), ([2], 2)]  # unloaded first, then version 2 alone
+    assert not held.done()
+    triton.gate.set()
+    result = await rollout
+    assert (await held).version == "2" and triton.most_loaded == 1
+    assert (result["live_version"], result["previous_version"], result["drained"]) == (2, 1, True)
+    assert model.state() == {"live": 2, "previous": 1} and model.loaded_versions() == [2]
+
+
+async def test_a_swap_that_fails_to_load_serves_the_old_version_again(setup) -> None:
+    model, triton, registry = setup
+    triton.strategy = "swap"
+    await registry.get(NAME)
+    triton.fail_versions = {3}
+    with pytest.raises(OpenAIError) as raised:
+        await Rollouts(registry, triton, grace_s=5).rollout(NAME, 3)  # type: ignore[arg-type]
+    assert (raised.value.status, raised.value.code) == (422, "version_load_failed")
+    assert "version 1 still serves" in raised.value.message and "corrupt weights" in raised.value.message
+    assert triton.loads == [([], None), ([3], 3), ([], None), ([1], 1)]
+    assert model.loaded_versions() == [1] and model.live_link_target() == 1
+    assert model.state() == {"live": 1, "previous": None} and (await registry.get(NAME)).version == "1"
+
+
+async def test_a_held_request_gives_up_with_a_503_after_rollout_hold_s(setup, tmp_path: Path) -> None:
+    _, triton, _ = setup
+    registry = FakeRegistry(Settings(model_repository=tmp_path / "models", rollout_hold_s=0.05), triton)  # type: ignore[arg-type]
+    await registry.get(NAME)
+    async with registry.held(NAME):
+        with pytest.raises(OpenAIError) as raised:
+            await registry.get(NAME)
+    assert raised.value.status == 503 and "switching versions" in raised.value.message
+
+
+async def test_a_tensor_parallel_engine_is_not_swapped_in_place(setup) -> None:
+    model, triton, registry = setup
+    triton.strategy = "swap"
+    (model.engine_dir(2) / model_store.ENGINE_RECORD).write_text(json.dumps({"max_seq_len": 256, "world_size": 2}))
+    with pytest.raises(OpenAIError) as raised:
+        await Rollouts(registry, triton, grace_s=5).rollout(NAME, 2)  # type: ignore[arg-type]
+    assert (raised.value.status, raised.value.code) == (409, "rollout_not_supported")
+    assert "pod level" in raised.value.message and triton.loads == []

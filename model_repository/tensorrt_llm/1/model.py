@@ -322,7 +322,8 @@ class TritonPythonModel:
         self.engine = Engine.from_config(
             engine_config, cancelled=self.channel.cancelled, on_stats=self._publish_stats,
             after_step=self._after_step, on_failure=self._engine_failed,
-            max_queued=int(_param(config, "cpu_max_queue_size", "0") or 0))
+            max_queued=int(_param(config, "cpu_max_queue_size", "0") or 0),
+            cancel_poll_s=int(_param(config, "cancellation_check_period_ms", "20") or 20) / 1000)
         self.engine.start()  # loads the weights and measures the machine, on the engine's own thread
         pb_utils.Logger.log_info(self.engine.describe())
         self.guide_compiler = None
