@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool, argpar
     trt = parser.add_argument_group("TensorRT-LLM (--backend trtllm)")
     trt.add_argument("--max-input-len", type=int, help="longest prompt (default: max-seq-len - 1)")
     trt.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size = GPUs per engine (default: 1)")
+    trt.add_argument("--pp-size", type=int, default=1,
+                     help="pipeline-parallel stages (default: 1); the engine's world size is TP x PP")
     trt.add_argument("--weight-only", choices=trtllm.WEIGHT_ONLY, help="weight-only quantization")
     trt.add_argument("--kv-cache-dtype", choices=trtllm.KV_CACHE_DTYPES, help="quantized KV cache (Llama/Mistral)")
     trt.add_argument(
@@ -110,6 +112,7 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool, argpar
         kv_cache_tokens=args.kv_cache_tokens,
         max_input_len=args.max_input_len,
         tp_size=args.tp_size,
+        pp_size=args.pp_size,
         weight_only=args.weight_only,
         kv_cache_dtype=args.kv_cache_dtype,
         trtllm_examples_dir=args.trtllm_examples_dir,

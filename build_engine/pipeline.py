@@ -52,6 +52,7 @@ class BuildRequest:
     # TensorRT-LLM only.
     max_input_len: int | None = None
     tp_size: int = 1
+    pp_size: int = 1
     weight_only: str | None = None
     kv_cache_dtype: str | None = None
     trtllm_examples_dir: Path = trtllm.DEFAULT_EXAMPLES_DIR
@@ -147,6 +148,7 @@ def _trtllm_options(request: BuildRequest) -> trtllm.TrtllmOptions:
     return trtllm.TrtllmOptions(
         dtype=request.dtype or "auto",
         tp_size=request.tp_size,
+        pp_size=request.pp_size,
         weight_only=request.weight_only,
         kv_cache_dtype=request.kv_cache_dtype,
         max_input_len=request.max_input_len,
@@ -253,7 +255,7 @@ def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResu
 MODELS_SUBDIR = "models"
 # Weight files a TensorRT-LLM version does not need: its engine holds the weights.
 TRTLLM_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
-_BUILD_FLAGS = ("dtype", "max_batch_size", "max_seq_len", "max_num_tokens", "kv_cache_tokens", "tp_size",
+_BUILD_FLAGS = ("dtype", "max_batch_size", "max_seq_len", "max_num_tokens", "kv_cache_tokens", "tp_size", "pp_size",
                 "weight_only", "kv_cache_dtype", "max_input_len")
 
 

@@ -59,6 +59,7 @@ class TrtllmOptions:
 
     dtype: str = "auto"
     tp_size: int = 1
+    pp_size: int = 1  # pipeline stages (world size = TP x PP): TP within a node, PP across nodes
     weight_only: str | None = None
     kv_cache_dtype: str | None = None
     max_input_len: int | None = None
@@ -119,6 +120,8 @@ def plan_build(
     dtype = checkpoint_dtype(checkpoint.directory) if options.dtype == "auto" else options.dtype
     if options.tp_size < 1:
         raise BuildError(f"--tp-size must be at least 1, got {options.tp_size}")
+    if options.pp_size < 1:
+        raise BuildError(f"--pp-size must be at least 1, got {options.pp_size}")
     if options.weight_only is not None and options.weight_only not in WEIGHT_ONLY:
         raise BuildError(f"--weight-only must be one of {WEIGHT_ONLY}, got {options.weight_only!r}")
     if options.kv_cache_dtype is not None:
@@ -146,7 +149,7 @@ def plan_build(
         "--output_dir", str(trt_checkpoint),
         "--dtype", dtype,
         "--tp_size", str(options.tp_size),
-        "--pp_size", "1",
+        "--pp_size", str(options.pp_size),
     ]
     if options.weight_only is not None:
         convert += ["--use_weight_only", "--weight_only_precision", options.weight_only]
@@ -169,6 +172,8 @@ def plan_build(
         "--max_seq_len", str(limits.max_seq_len),
         "--max_num_tokens", str(limits.max_num_tokens),
         "--max_beam_width", "1",
+        # trtllm-build puts rank r's build on GPU r % workers: one worker per GPU of one node (the Job's TP_SIZE
+        # GPUs), whatever the number of pipeline stages.
         "--workers", str(options.tp_size),
     ]
     return TrtllmPlan(family, dtype, max_input_len, trt_checkpoint, engine_dir, [convert, build])
@@ -261,7 +266,8 @@ def trtllm_engine_config(
         "max_seq_len": limits.max_seq_len,
         "max_num_tokens": limits.max_num_tokens,
         "tp_size": options.tp_size,
-        "world_size": options.tp_size,
+        "pp_size": options.pp_size,
+        "world_size": options.tp_size * options.pp_size,  # launcher.mpi runs one rank per GPU
         "weight_only": options.weight_only,
         "kv_cache_dtype": options.kv_cache_dtype,
         "source": dict(source),

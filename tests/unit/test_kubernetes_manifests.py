@@ -20,10 +20,12 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
 import sys
+import textwrap
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -375,19 +377,196 @@ def test_tp_overlay_gives_triton_the_gpus_the_engine_is_built_for() -> None:
     assert job["resources"]["limits"]["nvidia.com/gpu"] == tp_size
 
 
+def lws_template(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    return resource(docs, "LeaderWorkerSet", "tritonllm")["spec"]["leaderWorkerTemplate"]
+
+
 def test_multinode_overlay_spreads_the_engine_over_the_group() -> None:
+    """TP within a pod (node), PP across the group's pods: the engine Job's TP x PP = the group's GPUs."""
     docs = render("multinode")
     assert not [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tritonllm"]
-    lws = resource(docs, "LeaderWorkerSet", "tritonllm")
-    template = lws["spec"]["leaderWorkerTemplate"]
-    gpus_per_pod = int(container(server_pod(docs), "triton")["resources"]["limits"]["nvidia.com/gpu"])
-    tp_size = int(env_of(resource(docs, "Job", "engine-build")["spec"]["template"]["spec"]["containers"][0])["TP_SIZE"])
-    assert template["size"] * gpus_per_pod == tp_size
+    template = lws_template(docs)
     leader_triton = container(server_pod(docs), "triton")
+    [worker] = template["workerTemplate"]["spec"]["containers"]
+    gpus_per_pod = int(leader_triton["resources"]["limits"]["nvidia.com/gpu"])
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == leader_triton["resources"]["limits"]["nvidia.com/gpu"]
+    job = resource(docs, "Job", "engine-build")["spec"]["template"]["spec"]["containers"][0]
+    tp_size, pp_size = int(env_of(job)["TP_SIZE"]), int(env_of(job)["PP_SIZE"])
+    assert tp_size * pp_size == template["size"] * gpus_per_pod, "one rank per GPU of the group"
+    assert tp_size <= gpus_per_pod, "a tensor-parallel group's all-reduces stay inside one node"
+    assert (tp_size, pp_size) == (gpus_per_pod, template["size"]) == (8, 2)
+    assert int(job["resources"]["limits"]["nvidia.com/gpu"]) == tp_size  # trtllm-build: a worker per GPU
+    assert env_of(leader_triton)["MPI_LWS_GPUS_PER_POD"] == str(gpus_per_pod)
     assert "exec python -m launcher.mpi " in leader_triton["command"][-1]
-    assert "OMPI_MCA_orte_default_hostfile" in env_of(leader_triton)
     worker_labels = template["workerTemplate"]["metadata"]["labels"]
     assert worker_labels["app.kubernetes.io/component"] != "server", "workers serve nothing: not in the pool"
+    # The engine Job passes PP_SIZE on (build-engine.sh) and the key's record checks it (engine_key.py).
+    script = (K8S / "base" / "scripts" / "build-engine.sh").read_text()
+    assert '--pp-size "$pp"' in script and 'pp=${PP_SIZE:-1}' in script
+
+
+def test_multinode_runs_no_ssh_and_its_workers_only_sleep() -> None:
+    docs = render("multinode")
+    for c in all_containers(docs):
+        words = [w for arg in c.get("command", []) + c.get("args", []) for w in str(arg).split()]
+        assert not [w for w in words if re.search(r"(^|/)sshd?$|ssh-keygen|authorized_keys", w)], c["name"]
+        assert not [p for p in c.get("ports", []) if p["containerPort"] in (22, 2222)], c["name"]
+        assert not [e for e in c.get("env", []) if e["name"].startswith("OMPI_MCA_plm_rsh")], c["name"]
+    for spec in pod_specs(resource(docs, "LeaderWorkerSet", "tritonllm")):
+        assert {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} <= {"tritonllm-api-keys"}
+    # The launch agent calls kubectl, never ssh; the image installs no SSH server.
+    agent = [line.split("#")[0] for line in (K8S / "overlays" / "multinode" / "kubessh.sh").read_text().splitlines()]
+    assert not [line for line in agent if re.search(r"\bssh\b|sshd", line)]
+    assert re.search(r"^exec kubectl exec ", "\n".join(agent), re.M)
+    assert "openssh" not in (REPO / "docker" / "Dockerfile.trtllm").read_text()
+    worker = lws_template(docs)["workerTemplate"]["spec"]
+    assert not worker.get("initContainers")
+    [rank_host] = worker["containers"]
+    assert rank_host["name"] == "rank-host"
+    assert rank_host["command"] == ["sleep", "infinity"] and "args" not in rank_host
+    assert not rank_host.get("ports") and "livenessProbe" not in rank_host and "readinessProbe" not in rank_host
+    assert worker["automountServiceAccountToken"] is False and "serviceAccountName" not in worker
+    # The ranks read the engine from the worker's own mount of the volume; nothing else is mounted.
+    assert {m["mountPath"] for m in rank_host["volumeMounts"]} == {"/cache", "/tmp", "/dev/shm"}
+    assert rank_host["securityContext"]["runAsUser"] == 10001 and rank_host["securityContext"]["readOnlyRootFilesystem"]
+
+
+def test_multinode_leader_has_exactly_the_rbac_to_exec_into_its_workers() -> None:
+    docs = render("multinode")
+    pod = server_pod(docs)["spec"]
+    account = pod["serviceAccountName"]
+    resource(docs, "ServiceAccount", account)
+    [binding] = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
+                 and any(s["name"] == account for s in d["subjects"])]
+    assert binding["kind"] == "RoleBinding" and binding["metadata"]["namespace"] == "tritonllm"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "tritonllm"}]
+    assert binding["roleRef"]["kind"] == "Role"
+    role = resource(docs, "Role", binding["roleRef"]["name"])
+    rules = sorted((tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in role["rules"])
+    assert rules == [(("",), ("pods",), ("get",)), (("",), ("pods/exec",), ("create", "get"))]
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    # The token: not mounted into every container, only into Triton's (the frontend faces the clients).
+    assert pod["automountServiceAccountToken"] is False
+    [volume] = [v for v in pod["volumes"] if "projected" in v]
+    assert {"serviceAccountToken"} < {key for source in volume["projected"]["sources"] for key in source}
+    mounted = [(c["name"], m) for c in all_containers(docs) for m in c.get("volumeMounts", [])
+               if m["name"] == volume["name"]]
+    assert mounted == [("triton", {"name": volume["name"], "readOnly": True,
+                                   "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"})]
+    # No other overlay grants exec.
+    for overlay in ("cpu", "gpu", "tp"):
+        for d in render(overlay):
+            if d["kind"] == "Role":
+                assert "pods/exec" not in [r for rule in d["rules"] for r in rule["resources"]], overlay
+
+
+def test_multinode_mpirun_gets_the_exec_agent_and_forwards_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The leader's Triton environment, as launcher.mpi turns it into mpirun's command in an LWS pod."""
+    import launcher.mpi as launcher_mpi
+
+    docs = render("multinode")
+    triton = container(server_pod(docs), "triton")
+    env = env_of(triton)
+    assert env["MPIRUN"] == "/opt/hpcx/ompi/bin/mpirun", "absolute: the remote daemons come from its prefix"
+    assert env["MPI_RSH_AGENT"] == "/bin/sh /scripts/kubessh.sh"
+    assert {"/scripts", "/tmp"} <= {m["mountPath"] for m in triton["volumeMounts"]}
+    scripts = next(v["configMap"]["name"] for v in server_pod(docs)["spec"]["volumes"] if v["name"] == "scripts")
+    assert resource(docs, "ConfigMap", scripts)["data"]["kubessh.sh"] == \
+        (K8S / "overlays" / "multinode" / "kubessh.sh").read_text()
+    assert {"PATH", "LD_LIBRARY_PATH"} <= set(env["MPI_EXPORT"].split())
+    template = lws_template(docs)
+    job = resource(docs, "Job", "engine-build")["spec"]["template"]["spec"]["containers"][0]
+    tp_size, pp_size = int(env_of(job)["TP_SIZE"]), int(env_of(job)["PP_SIZE"])
+    engine = {"world_size": tp_size * pp_size, "tp_size": tp_size, "pp_size": pp_size}
+    monkeypatch.setattr(launcher_mpi, "check_model_repository", lambda repo: engine)
+    pod_env = {**env, "LWS_LEADER_ADDRESS": "tritonllm-0.tritonllm.tritonllm",
+               "LWS_GROUP_SIZE": str(template["size"]), "PATH": "/opt/tritonllm/bin:/usr/bin",
+               "LD_LIBRARY_PATH": "/opt/hpcx/ompi/lib"}
+    for name in ("MPI_HOSTS", "NCCL_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in pod_env.items():
+        monkeypatch.setenv(name, value)
+    assert launcher_mpi.main(["--model-repository", "/cache/k/model_repository", "--print"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    gpus = env["MPI_LWS_GPUS_PER_POD"]
+    assert argv[:argv.index("-n")] == [
+        "/opt/hpcx/ompi/bin/mpirun", "--allow-run-as-root", "--host", f"tritonllm-0:{gpus},tritonllm-0-1:{gpus}",
+        "-mca", "plm_rsh_agent", "/bin/sh /scripts/kubessh.sh", "-mca", "plm_rsh_no_tree_spawn", "1",
+        "-x", "PATH", "-x", "LD_LIBRARY_PATH", "-x", "HOME"]
+    ranks = " ".join(argv).split(" : ")
+    assert len(ranks) == tp_size * pp_size
+    assert "--allow-http=false" not in ranks[0] and "--http-address=127.0.0.1" in ranks[0]
+    assert all("--allow-http=false --allow-grpc=false --allow-metrics=false" in rank for rank in ranks[1:])
+
+
+def test_kubessh_waits_for_the_pod_then_execs_the_command_in_its_rank_host(tmp_path: Path) -> None:
+    """kubessh.sh with a stand-in kubectl: not ready, then ready; then `kubectl exec` with mpirun's words."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls"
+    (bin_dir / "kubectl").write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        for a in "$@"; do printf '%s\\n' "$a"; done >> {log}
+        echo --- >> {log}
+        if [ "$1" = get ]; then
+          n=$(grep -c '^get$' {log})
+          [ "$n" -ge 2 ] && printf True || printf False
+        fi
+        if [ "$1" = exec ]; then shift 5; "$@"; fi
+        """))
+    (bin_dir / "kubectl").chmod(0o755)
+    (bin_dir / "sleep").write_text("#!/bin/sh\n")
+    (bin_dir / "sleep").chmod(0o755)
+    script = K8S / "overlays" / "multinode" / "kubessh.sh"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    command = ["PATH=/opt/hpcx/ompi/bin:$PATH", ";", "export", "PATH", ";", "echo", '"uri;tcp://10.0.0.1:1"']
+    run = subprocess.run(["/bin/sh", str(script), "tritonllm-0-1", *command], env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "uri;tcp://10.0.0.1:1\n", "the words are run by a shell on the far side, as over ssh"
+    calls = [c.strip("\n").split("\n") for c in log.read_text().split("---\n") if c.strip()]
+    assert [c[:3] for c in calls] == [["get", "pod", "tritonllm-0-1"]] * 2 + [["exec", "tritonllm-0-1", "-c"]]
+    assert calls[-1] == ["exec", "tritonllm-0-1", "-c", "rank-host", "--", "/bin/sh", "-c", " ".join(command)]
+    # A pod that never gets ready: give up after KUBESSH_WAIT_S.
+    log.write_text("")
+    (bin_dir / "kubectl").write_text("#!/bin/sh\nprintf False\n")
+    run = subprocess.run(["/bin/sh", str(script), "p", "true"], env={**env, "KUBESSH_WAIT_S": "10"},
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 1 and "not ready after 10 s" in run.stderr
+
+
+def test_multinode_network_policies_let_the_group_talk() -> None:
+    """mpirun's daemons and NCCL use ports chosen at run time between the group's pods, both ways."""
+    docs = render("multinode")
+    workers = resource(docs, "NetworkPolicy", "tritonllm-workers")["spec"]
+    assert workers["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "server-worker"
+    [rule] = workers["ingress"]
+    assert "ports" not in rule
+    [selector] = rule["from"]
+    expressions = {e["key"]: set(e["values"]) for e in selector["podSelector"]["matchExpressions"]}
+    assert expressions == {"app.kubernetes.io/name": {"tritonllm"},
+                           "app.kubernetes.io/component": {"server", "server-worker"}}
+    leaders = resource(docs, "NetworkPolicy", "tritonllm-leaders-from-workers")["spec"]
+    assert leaders["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "server"
+    [rule] = leaders["ingress"]
+    assert "ports" not in rule
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "tritonllm",
+                                                              "app.kubernetes.io/component": "server-worker"}}}]
+    # Egress stays open (mpirun -> workers, kubectl -> API server): no policy restricts it.
+    assert not [d for d in docs if d["kind"] == "NetworkPolicy" and "Egress" in d["spec"]["policyTypes"]]
+
+
+def test_the_image_has_what_the_multinode_pods_run() -> None:
+    """docker/Dockerfile.trtllm: a passwd entry for the pods' uid (mpirun refuses an unknown one), kubectl
+    pinned by version and checksum, and HPC-X's mpirun where MPIRUN says."""
+    dockerfile = (REPO / "docker" / "Dockerfile.trtllm").read_text()
+    uid = container(server_pod(render("multinode")), "triton")["securityContext"]["runAsUser"]
+    assert re.search(rf"useradd [^\n]*--uid {uid} ", dockerfile)
+    assert re.search(r"ARG KUBECTL_VERSION=v\d+\.\d+\.\d+\n", dockerfile)
+    assert re.search(r"ARG KUBECTL_SHA256_AMD64=[0-9a-f]{64}\n", dockerfile)
+    assert "sha256sum -c -" in dockerfile and "install -m 0755 /tmp/kubectl /usr/local/bin/kubectl" in dockerfile
+    assert "test -x /opt/hpcx/ompi/bin/mpirun" in dockerfile
 
 
 # ----- the CPU overlay against `make serve` --------------------------------------------------------------
@@ -630,6 +809,8 @@ def test_engine_key_refuses_to_rebuild_a_key_and_snapshots_the_checkpoint(tmp_pa
     assert engine_key.built(key, "1.1.0", "1", "0" * 64) == 1  # another checkpoint under a built key
     assert engine_key.built(key, "1.2.0", "1", sha) == 1  # another image
     assert engine_key.built(key, "1.1.0", "2", sha) == 1  # another TP size
+    assert engine_key.built(key, "1.1.0", "1", sha, "1") == 0  # no pp_size recorded: 1
+    assert engine_key.built(key, "1.1.0", "1", sha, "2") == 1  # another PP size
 
 
 # ----- Triton's control APIs: a key per pod, shared by Triton and the frontend only ------------------------

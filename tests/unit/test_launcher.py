@@ -1,5 +1,6 @@
-"""launcher: port checks, locating tritonserver, one real tritonserver on a trivial Python model, and the
-supervision logic (restart budget, back-off, which process died) on scripted processes and a fake clock.
+"""launcher: port checks, locating tritonserver, one real tritonserver on a trivial Python model, the
+supervision logic (restart budget, back-off, which process died) on scripted processes and a fake clock, and
+launcher.mpi's command across hosts (hosts, remote launch agent, forwarded environment).
 
 The real-server tests use the nvidia-pytriton wheel's tritonserver (CPU only); they take a few seconds.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import textwrap
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import launcher.__main__ as launcher_main
+import launcher.mpi as launcher_mpi
 from launcher.engine_health import Problem
 from launcher.ports import PortInUseError, check_ports_free, find_free_port
 from launcher.supervise import RestartBudget, RestartBudgetExceeded, Supervisor, describe_exit
@@ -540,3 +543,94 @@ def test_triton_not_answering_for_the_grace_is_restarted() -> None:
     assert supervisor.phase("tritonserver") == "waiting" and triton.repairs == []
     assert "does not serve for 10 s: Triton's repository index is not answering" in lines[-1]
 
+
+
+# ----- launcher.mpi across hosts (overlays/multinode) -----------------------------------------------------
+def _ranks(argv: list[str]) -> list[list[str]]:
+    """mpirun's MPMD argv split into its ranks' tritonserver argvs (each after `-n 1`)."""
+    first = argv.index("-n")
+    ranks, current = [], []
+    for word in argv[first:] + [":"]:
+        if word == ":":
+            assert current[:2] == ["-n", "1"], current
+            ranks.append(current[2:])
+            current = []
+        else:
+            current.append(word)
+    return ranks
+
+
+def test_mpi_across_hosts_gives_mpirun_hosts_agent_and_environment() -> None:
+    argv = launcher_mpi.tritonserver_argv(
+        4, "/r", address="127.0.0.1", mpirun="/opt/hpcx/ompi/bin/mpirun", hosts=[("lead", 2), ("lead-1", 2)],
+        rsh_agent="/bin/sh /scripts/kubessh.sh", export=["PATH", "LD_LIBRARY_PATH"], extra_args=["--x=1"])
+    head = argv[:argv.index("-n")]
+    assert head == ["/opt/hpcx/ompi/bin/mpirun", "--allow-run-as-root", "--host", "lead:2,lead-1:2",
+                    "-mca", "plm_rsh_agent", "/bin/sh /scripts/kubessh.sh", "-mca", "plm_rsh_no_tree_spawn", "1",
+                    "-x", "PATH", "-x", "LD_LIBRARY_PATH"]
+    ranks = _ranks(argv)
+    assert len(ranks) == 4 and all(r[0] == "tritonserver" and r[-1] == "--x=1" for r in ranks)
+    # Rank 0 serves (on loopback); the others load the engine model only and serve no endpoint at all.
+    assert not [w for w in ranks[0] if w.startswith("--allow-")]
+    for rank, words in enumerate(ranks[1:], start=1):
+        assert {*launcher_mpi.NO_ENDPOINTS, "--model-control-mode=explicit", "--load-model=tensorrt_llm",
+                f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"} <= set(words)
+
+
+def test_mpi_on_one_host_is_unchanged_by_the_multi_host_options() -> None:
+    """overlays/tp: no hosts, no agent, nothing exported: every rank keeps its endpoints (as before)."""
+    argv = launcher_mpi.tritonserver_argv(2, "/r")
+    assert argv[:3] == ["mpirun", "--allow-run-as-root", "-n"]
+    assert not [w for w in argv if w.startswith(("--allow-http", "--allow-grpc", "--allow-metrics", "--host"))]
+    assert "-mca" not in argv and "-x" not in argv
+
+
+def test_hosts_of_a_leaderworkerset_group_and_their_syntax() -> None:
+    env = {"LWS_LEADER_ADDRESS": "tritonllm-3.tritonllm.tritonllm", "LWS_GROUP_SIZE": "3"}
+    hosts = launcher_mpi.lws_hosts(8, env)
+    assert hosts == [("tritonllm-3", 8), ("tritonllm-3-1", 8), ("tritonllm-3-2", 8)]
+    assert launcher_mpi.parse_hosts(launcher_mpi.format_hosts(hosts)) == hosts
+    for bad in ("a", "a:0", "a:8,,a:8", "a:x", ""):
+        with pytest.raises(ValueError):
+            launcher_mpi.parse_hosts(bad)
+    with pytest.raises(ValueError, match="not a LeaderWorkerSet pod"):
+        launcher_mpi.lws_hosts(8, {})
+    with pytest.raises(ValueError, match="LWS_GROUP_SIZE"):
+        launcher_mpi.lws_hosts(8, {**env, "LWS_GROUP_SIZE": "two"})
+
+
+def test_exported_names_are_the_set_ones_and_prefix_patterns() -> None:
+    env = {"PATH": "/bin", "LD_LIBRARY_PATH": "/lib", "NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "1", "OTHER": "x"}
+    assert launcher_mpi.export_names("PATH LD_LIBRARY_PATH,HOME NCCL_* PATH", env) == [
+        "PATH", "LD_LIBRARY_PATH", "NCCL_DEBUG", "NCCL_IB_DISABLE"]  # HOME unset: not forwarded
+    assert launcher_mpi.export_names("", env) == []
+
+
+def test_layout_must_fill_the_hosts_and_tp_should_stay_in_one() -> None:
+    hosts = [("a", 8), ("b", 8)]
+    assert launcher_mpi.check_layout(16, hosts, tp_size=8) == []
+    [warning] = launcher_mpi.check_layout(16, hosts, tp_size=16)
+    assert "spans hosts" in warning
+    with pytest.raises(ValueError, match="16 slots"):
+        launcher_mpi.check_layout(8, hosts, tp_size=8)
+
+
+def test_mpi_main_reads_the_multi_host_settings_from_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    engine = {"world_size": 16, "tp_size": 8, "pp_size": 2}
+    monkeypatch.setattr(launcher_mpi, "check_model_repository", lambda repo: engine)
+    for name, value in {"MPIRUN": "/opt/hpcx/ompi/bin/mpirun", "MPI_LWS_GPUS_PER_POD": "8",
+                        "MPI_RSH_AGENT": "/bin/sh /scripts/kubessh.sh", "MPI_EXPORT": "PATH LD_LIBRARY_PATH",
+                        "LWS_LEADER_ADDRESS": "tritonllm-0.tritonllm.tritonllm", "LWS_GROUP_SIZE": "2",
+                        "LD_LIBRARY_PATH": "/usr/lib", "TRITON_ADDRESS": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    assert launcher_mpi.main(["--model-repository", str(tmp_path), "--print", "--log-info=true"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert argv[:4] == ["/opt/hpcx/ompi/bin/mpirun", "--allow-run-as-root", "--host",
+                        "tritonllm-0:8,tritonllm-0-1:8"]
+    assert ["-x", "PATH", "-x", "LD_LIBRARY_PATH"] == argv[argv.index("-x"):argv.index("-x") + 4]
+    assert len(_ranks(argv)) == 16
+    # A group whose GPUs the engine does not fill exactly is refused before mpirun starts.
+    monkeypatch.setenv("LWS_GROUP_SIZE", "3")
+    assert launcher_mpi.main(["--model-repository", str(tmp_path), "--print"]) == 1
+    assert "16 ranks (TP x PP) but the hosts" in capsys.readouterr().err

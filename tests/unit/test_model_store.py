@@ -64,7 +64,7 @@ def test_first_build_creates_a_live_version_1(two_versions: dict[str, object]) -
     assert re.fullmatch(r"[0-9a-f]{64}", record["checkpoint_sha256"])
     assert record["checkpoint_sha256"] == trtllm.checkpoint_sha256(model.checkpoint_dir(1))  # a full copy
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", record["built_at"])
-    assert record["build_flags"] == {"max_batch_size": 4, "max_seq_len": 256, "tp_size": 1}
+    assert record["build_flags"] == {"max_batch_size": 4, "max_seq_len": 256, "tp_size": 1, "pp_size": 1}
     assert record["source"] == {"preset": "tiny"}
     assert record["checkpoint_dir"] == str(model.checkpoint_dir(1))
     assert Path(record["checkpoint_dir"]).is_absolute()

@@ -239,6 +239,27 @@ def test_dry_run_qwen2_with_options(
     assert flags["--checkpoint_dir"] == convert[convert.index("--output_dir") + 1]
 
 
+def test_pipeline_parallel_plan_and_record(tmp_path: Path, llama_checkpoint: Path) -> None:
+    """TP within a node x PP across nodes (overlays/multinode: 8 x 2): convert splits the checkpoint 16 ways,
+    trtllm-build uses one worker per GPU of the building node, and the record says world size 16."""
+    from build_engine.checkpoint import validate_checkpoint
+    from build_engine.limits import EngineLimits
+
+    checkpoint = validate_checkpoint(llama_checkpoint)
+    limits = EngineLimits(max_batch_size=8, max_seq_len=1024, max_num_tokens=256)
+    options = trtllm.TrtllmOptions(tp_size=8, pp_size=2)
+    plan = trtllm.plan_build(checkpoint, limits, options, work_dir=tmp_path, engine_dir=tmp_path / "engine")
+    convert, build_cmd = plan.commands
+    assert convert[convert.index("--tp_size") + 1:convert.index("--tp_size") + 4] == ["8", "--pp_size", "2"]
+    assert build_cmd[build_cmd.index("--workers") + 1] == "8"
+    record = trtllm.trtllm_engine_config(checkpoint, plan, limits, options, served_model_name="m", source={},
+                                         version=VERSION, checkpoint_hash="0" * 64, xgrammar_tokenizer_info=None)
+    assert (record["tp_size"], record["pp_size"], record["world_size"]) == (8, 2, 16)
+    with pytest.raises(trtllm.BuildError, match="--pp-size must be at least 1"):
+        trtllm.plan_build(checkpoint, limits, trtllm.TrtllmOptions(pp_size=0), work_dir=tmp_path,
+                          engine_dir=tmp_path / "engine")
+
+
 def test_dry_run_mistral_fp8_kv_cache(
     tmp_path: Path, llama_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
