@@ -1,4 +1,4 @@
-# make engine | serve | rollout | rollback | test | bench | bench-pa   (see README.md)
+# make engine | serve | rollout | rollback | test | bench | bench-pa | bench-frontend   (see README.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +16,7 @@ NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-version
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)
 
-.PHONY: install engine serve rollout rollback test soak bench bench-pa clean lint
+.PHONY: install engine serve rollout rollback test soak bench bench-pa bench-frontend clean lint
 
 # A venv with every role's pinned dependencies; rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -62,6 +62,14 @@ QUICK_FLAG = $(if $(filter-out 0,$(QUICK)),--quick)
 bench: install
 	$(PY) -m build_engine --if-missing --preset small --output-dir $(BUILD)/bench
 	$(PY) -m benchmarks.stack_bench --model-repository $(BUILD)/bench/model_repository --work-dir $(BUILD)/bench $(QUICK_FLAG)
+
+# The frontend's CPU per streamed token, against an engine that costs nothing (benchmarks/README.md, "Frontend
+# benchmark"): concurrency 1, 16, 64, 256; results in benchmarks/results/<date>[-quick]/frontend/ (or BENCH_OUT=<dir>).
+# QUICK=1: 64-token answers, >= 4k tokens per level (about a minute).
+bench-frontend: install
+	$(PY) -m build_engine --if-missing --preset tiny --output-dir $(BUILD)/bench-frontend
+	$(PY) -m benchmarks.frontend_bench --model-repository $(BUILD)/bench-frontend/model_repository \
+		--work-dir $(BUILD)/bench-frontend $(QUICK_FLAG)
 
 # perf_analyzer 2.51 (installed into $(BUILD)/perf_analyzer, not the venv) streaming gRPC sweep.
 bench-pa: install

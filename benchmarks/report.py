@@ -103,7 +103,9 @@ def plot(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 
 def write_results(out_dir: Path, meta: dict[str, Any], results: list[dict[str, Any]],
-                  ratio_pairs: list[tuple[str, str]], plots: bool = True) -> dict[str, Path]:
+                  ratio_pairs: list[tuple[str, str]], plots: bool = True,
+                  sections: list[str] | None = None) -> dict[str, Path]:
+    """`sections`: more Markdown (tables, images already in out_dir) for summary.md, after the main table."""
     out_dir.mkdir(parents=True, exist_ok=True)
     present = {r["target"] for r in results}
     all_ratios = [row for num, den in ratio_pairs if num in present and den in present
@@ -117,6 +119,8 @@ def write_results(out_dir: Path, meta: dict[str, Any], results: list[dict[str, A
           f"{workload.get('input_tokens')} tokens (+ chat template), exactly {workload.get('output_tokens')} "
           f"output tokens per request, seed {workload.get('seed')}, closed loop, greedy.", "",
           results_table(results), ""]
+    for section in sections or ():
+        md += [section, ""]
     if all_ratios:
         md += ["Ratios per concurrency (numerator/denominator; for throughput > 1 means the numerator is faster, "
                "for latencies > 1 means it is slower):", "", ratio_table(all_ratios), ""]

@@ -110,12 +110,21 @@ def _spawn(args: list[str], log_file: Path, env: dict[str, str] | None = None) -
 @contextlib.contextmanager
 def frontend(triton_grpc_url: str, log_dir: Path, timeout_s: float = 180) -> Iterator[str]:
     """Yields the OpenAI base URL (http://127.0.0.1:PORT/v1)."""
+    with frontend_process(triton_grpc_url, log_dir, timeout_s) as (base_url, _):
+        yield base_url
+
+
+@contextlib.contextmanager
+def frontend_process(triton_grpc_url: str, log_dir: Path, timeout_s: float = 180,
+                     env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`frontend`, with more environment (e.g. ENGINE_MODEL) and the process itself (its pid: CPU time)."""
     port = find_free_port()
     process = _spawn(["-m", "frontend"], Path(log_dir) / "frontend.log",
-                     {"FRONTEND_HOST": "127.0.0.1", "FRONTEND_PORT": str(port), "TRITON_GRPC_URL": triton_grpc_url})
+                     {"FRONTEND_HOST": "127.0.0.1", "FRONTEND_PORT": str(port), "TRITON_GRPC_URL": triton_grpc_url,
+                      **(env or {})})
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health/ready", timeout_s, process)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", process
     finally:
         stop_process(process)
 
