@@ -107,6 +107,10 @@ class Settings(BaseSettings):
     max_stop_length: int = Field(1000, ge=1, description="longest stop string, in characters; past it: 400")
     tokenizer_threads: int = Field(4, ge=1, description="threads that tokenize and render chat templates, "
                                                         "off the event loop")
+    guide_compile_threads: int = Field(2, ge=1, description="threads that compile requests' guides (xgrammar) "
+                                                            "before any engine sees them, off the event loop")
+    guide_compile_timeout_s: float = Field(2.0, gt=0, description="a guide that takes longer to compile is a 400 "
+                                                                  "(the engine would stall every request as long)")
     limit_concurrency: int = Field(1024, ge=1, description="most open connections and tasks (uvicorn); past "
                                                            "it: 503")
     timeout_keep_alive_s: float = Field(5.0, gt=0, description="how long an idle keep-alive connection stays open")

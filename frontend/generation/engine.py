@@ -72,6 +72,19 @@ class EngineMetadata:
     tokenizer_dir: Path | None
     context_length: int | None
     max_top_logprobs: int = 0  # most alternatives per token the engine returns (0: sampled tokens only)
+    # Whether the engine applies guides (guided_decoding_backend "xgrammar" and, on TensorRT-LLM, an
+    # xgrammar_tokenizer_info_path): off, TensorRT-LLM generates a guided request unguided without a word, so
+    # the frontend refuses guided requests (frontend/planning/structured.py refuse_unguided).
+    guided_decoding: bool = True
+    # What the sampled tokens' log-probs are (the engine model's normalize_log_probs parameter):
+    # "model": the model's own distribution (after a guide's mask), OpenAI's meaning, whatever the sampling
+    #   settings (the CPU engine: normalize_log_probs "model");
+    # "sampling": TensorRT-LLM with normalize_log_probs false: the distribution after temperature and penalties,
+    #   the model's own only at temperature 0 or 1 without penalties or min_tokens;
+    # "top_k_normalized": TensorRT-LLM's default (true; also when the parameter is absent or unparsable):
+    #   renormalised over the top-k tokens, 0.0 for every token at temperature 0.
+    # frontend/planning/logprobs.py refuses the log-probs that would not mean OpenAI's.
+    log_probs: str = "model"
 
 
 class LLMEngine(Protocol):

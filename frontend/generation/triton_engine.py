@@ -67,7 +67,7 @@ ENGINE_FAILURES = ("the engine failed", "the engine has failed")
 ENGINE_UNAVAILABLE = ("the engine has failed and accepts no requests",)
 MAX_ENGINE_MESSAGE = 500  # characters of an engine message passed on to clients
 # A full queue: the CPU engine's (cpu_engine/engine.py QueueFullError) or Triton's own (dynamic batcher).
-QUEUE_FULL = ("queue is full", "Exceeds maximum queue size")
+QUEUE_FULL = ("queue is full", "Exceeds maximum queue size", "Maximum queue size of")
 ENGINE_RETRY_AFTER_S = 1.0
 
 
@@ -407,10 +407,30 @@ class TritonEngine:
             tokenizer_dir = None
         max_seq_len = engine.get("max_seq_len", "")
         max_top_logprobs = engine.get("max_top_logprobs", "")
+        # TensorRT-LLM reads normalize_log_probs as a C++ bool (model_state.cc GetParameter<bool>); absent or
+        # unparsable, it uses its default, true. Only the CPU engine's own value says "model".
+        normalize = engine.get("normalize_log_probs")
+        log_probs = ("model" if normalize == "model" else "sampling" if normalize in ("False", "false", "FALSE", "0")
+                     else "top_k_normalized")
+        # Guided decoding (audit finding 8): off when guided_decoding_backend is empty or an unfilled "${...}", and
+        # on TensorRT-LLM also when xgrammar_tokenizer_info_path is (model_instance_state.cc
+        # getGuidedDecodingConfigFromParams: no error, guided requests then run unguided). The CPU engine reads
+        # its tokenizer from tokenizer_dir and needs no info file.
+        unset = [key for key in ("guided_decoding_backend", "xgrammar_tokenizer_info_path")
+                 if engine.get(key, "") in ("", "${" + key + "}")]
+        guided_decoding = not unset
+        if unset == ["xgrammar_tokenizer_info_path"]:  # only TensorRT-LLM reads it: which backend is this?
+            name = model or self.engine_model
+            try:
+                config = await self._client.get_model_config(name, as_json=True, client_timeout=self._timeout)
+            except InferenceServerException as exc:
+                raise service_unavailable(f"the inference server has no model {name!r} ready") from exc
+            guided_decoding = config.get("config", {}).get("backend") != "tensorrtllm"
         return EngineMetadata(served_model_name=engine.get("served_model_name") or None,
                               tokenizer_dir=Path(tokenizer_dir) if tokenizer_dir else None,
                               context_length=int(max_seq_len) if max_seq_len.isdigit() else None,
-                              max_top_logprobs=int(max_top_logprobs) if max_top_logprobs.isdigit() else 0)
+                              max_top_logprobs=int(max_top_logprobs) if max_top_logprobs.isdigit() else 0,
+                              log_probs=log_probs, guided_decoding=guided_decoding)
 
     async def generate(self, request: EngineRequest, model: str | None = None,
                        version: str = "") -> AsyncIterator[TokenChunk]:

@@ -22,6 +22,8 @@ from frontend.http.generation_response import GenerationResponse
 from frontend.openai.schemas import (MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               ModelCard, ModelList, SamplingFields, TokenizeRequest, now, raw_prompts)
 from frontend.generation.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs, resolve_max_tokens
+from frontend.planning.guide_check import check_guides
+from frontend.planning.logprobs import check_logprobs_meaning
 from frontend.planning.structured import extension_guide
 
 router = APIRouter(route_class=OffLoopJSONRoute)  # large JSON bodies are parsed off the event loop
@@ -209,7 +211,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Gene
     limits(request).check_stops(req.stop_strings)
     context = await model_context(request, req.model)
     check_top_logprobs(req.num_top_logprobs, context, "top_logprobs")
+    check_logprobs_meaning(req, req.logprobs, context.log_probs, "logprobs")
     plan = ChatPlan.build(req, context)  # the tools rendered, the guide and the answer's parsers, together
+    await check_guides(request.app.state, context.engine, plan.guide, plan.guide_parts)  # compiles, or a 400
     check_fits_context(messages_text(req.messages), context, "messages")
     prompt_ids = await off_loop(request, context.tokenizer.apply_chat_template,
                                 [m.as_template_input() for m in req.messages], plan.template_tools)
@@ -228,6 +232,9 @@ async def completions(req: CompletionRequest, request: Request) -> GenerationRes
     limits(request).check_stops(req.stop_strings)
     context = await model_context(request, req.model)
     check_top_logprobs(req.logprobs, context, "logprobs")
+    check_logprobs_meaning(req, req.logprobs is not None, context.log_probs, "logprobs")
+    guide = extension_guide(req)
+    await check_guides(request.app.state, context.engine, guide)  # compiles, or a 400, before any engine
     prompts: list[list[int]] = []
     for prompt in req.prompts:
         if isinstance(prompt, str):
@@ -238,7 +245,7 @@ async def completions(req: CompletionRequest, request: Request) -> GenerationRes
             prompts.append(list(prompt))
     if any(not p for p in prompts):
         raise invalid_request("prompt must not be empty", "prompt")
-    generation = await new_generation(request, req, context, prompts, req.logprobs, "prompt", extension_guide(req))
+    generation = await new_generation(request, req, context, prompts, req.logprobs, "prompt", guide)
     echo = ({job.index: await off_loop(request, context.tokenizer.decode, job.request.prompt_ids)
              for job in generation.jobs} if req.echo else {})
     renderer = CompletionRenderer(context.served_model_name, req.logprobs, context.tokenizer, echo)

@@ -111,6 +111,7 @@ class ModelContext:
     reasoning_parser: str | None = None
     engine: VersionEngine | None = None  # where its requests go (None only in unit tests)
     version: str = ""  # the engine model version serving it ("": the single engine model's)
+    log_probs: str = "model"  # what the engine's log-probs are (EngineMetadata.log_probs)
 
 
 class ModelRegistry:
@@ -355,7 +356,7 @@ class ModelRegistry:
         tokenizer = await asyncio.to_thread(Tokenizer, model.checkpoint_dir(version), s.chat_template)
         return ModelContext(name, int(record["max_seq_len"]), tokenizer, asked.max_top_logprobs,
                             s.tool_call_parser or parser_for_template(tokenizer.chat_template), s.reasoning_parser,
-                            engine, str(version))
+                            engine, str(version), asked.log_probs)
 
     async def _load_single(self) -> ModelContext:
         s = self._settings
@@ -375,7 +376,7 @@ class ModelRegistry:
         tokenizer = await asyncio.to_thread(Tokenizer, tokenizer_dir, s.chat_template)
         tool_call_parser = s.tool_call_parser or parser_for_template(tokenizer.chat_template)
         return ModelContext(name, context_length, tokenizer, asked.max_top_logprobs, tool_call_parser,
-                            s.reasoning_parser, engine)
+                            s.reasoning_parser, engine, log_probs=asked.log_probs)
 
     async def is_ready(self) -> bool:
         """Every model Triton has loaded (or is loading) served: the version its requests go to ready in

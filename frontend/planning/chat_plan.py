@@ -13,7 +13,9 @@ These decisions constrain each other, so they are made together (`ChatPlan.build
   parser reads the answer;
 - `parallel_tool_calls` false: at most one call, whatever the tool_choice (the guide of "required" allows
   one; for "auto" the calls after the first are dropped).
-The routes render with `template_tools`, give the engine `guide`, and run the answer through `parsing`;
+The routes check `guide` (and the tool schemas it is made of, `guide_parts`) with frontend/planning/guide_check.py
+before the engine sees it, render with `template_tools`, give the engine `guide`, and run the answer through
+`parsing`;
 the serving layer runs that parsing (frontend/generation/serving.py `parse_answer`) and decides nothing itself.
 """
 
@@ -29,7 +31,7 @@ from frontend.models.registry import ModelContext
 from frontend.parsing.reasoning import REASONING_PARSERS, prompt_opens_reasoning
 from frontend.openai.schemas import ChatCompletionRequest, NamedToolChoice
 from frontend.generation.serving import AnswerParsing
-from frontend.planning.structured import chat_guide
+from frontend.planning.structured import chat_guide, tool_schema_guides
 from frontend.text.tokenizer import Tokenizer
 from frontend.parsing.tool_parsers import PARSERS, ParsedDelta, ToolCall, ToolCallParser, named_parser
 
@@ -73,6 +75,7 @@ class ChatPlan:
     max_tool_calls: int | None = None  # None: any number
     reasoning_parser: str | None = None  # REASONING_PARSERS key
     starts_in_reasoning: bool | None = None  # None (with a reasoning parser): as the rendered prompt says
+    guide_parts: tuple[Guide, ...] = ()  # the tool schemas the guide is made of, each under its own field
 
     @classmethod
     def build(cls, req: ChatCompletionRequest, context: ModelContext) -> ChatPlan:
@@ -98,7 +101,7 @@ class ChatPlan:
         # Guided: the grammar holds from the first token, so the answer opens with no reasoning.
         starts_in_reasoning = False if context.reasoning_parser and guide is not None else None
         return cls(template_tools, guide, tool_parser, named_tool, max_tool_calls, context.reasoning_parser,
-                   starts_in_reasoning)
+                   starts_in_reasoning, tuple(tool_schema_guides(req)) if guide is not None else ())
 
     @staticmethod
     def _answer_is_json(req: ChatCompletionRequest) -> bool:

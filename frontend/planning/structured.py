@@ -9,7 +9,9 @@ what a request asks for is turned into one `Guide` here:
   for "required", a JSON array of `{"name", "parameters"}` objects over all the tools, not "the first tool";
 - vLLM's extensions `guided_json`, `guided_regex`, `guided_grammar` (EBNF, as xgrammar reads it).
 JSON schemas are checked here (a schema that is not one is a 400 naming the field, never an engine
-failure); regexes and grammars are checked by the engine's compiler, whose refusal is a 400 too.
+failure), and every guide's text is bounded (MAX_GUIDE_BYTES); then every guide is compiled by the frontend
+before any engine sees it (frontend/planning/guide_check.py: on TensorRT-LLM a guide that fails to compile
+fails every request of the batch), after `refuse_unguided` (an engine whose guided decoding is off).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from frontend.generation.engine import Guide
 from frontend.openai.errors import invalid_request
 from frontend.openai.schemas import ChatCompletionRequest, GuidedFields, NamedToolChoice, ToolDefinition
 
-MAX_SCHEMA_BYTES = 100_000  # a guide is compiled by the engine: bounded like any other client input
+MAX_GUIDE_BYTES = 100_000  # every guide (schema, regex, grammar) is compiled (frontend, engine): bounded input
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -38,9 +40,12 @@ def check_schema(schema: Any, param: str) -> str:
         where = "/".join(str(part) for part in exc.path)
         raise invalid_request(f"{param}: not a valid JSON schema: {exc.message}"
                               f"{f' (at {where})' if where else ''}", param) from None
-    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-    if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
-        raise invalid_request(f"{param}: the schema is longer than {MAX_SCHEMA_BYTES} bytes", param)
+    return check_size(json.dumps(schema, separators=(",", ":"), ensure_ascii=False), param, "schema")
+
+
+def check_size(text: str, param: str, what: str) -> str:
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_GUIDE_BYTES:
+        raise invalid_request(f"{param}: the {what} is longer than {MAX_GUIDE_BYTES} bytes", param)
     return text
 
 
@@ -51,6 +56,26 @@ def json_schema_guide(schema: Any, param: str) -> Guide:
 def _object_schema(parameters: dict[str, Any]) -> dict[str, Any]:
     """A tool's parameters schema, which must describe an object (an empty one means any object)."""
     return parameters if parameters.get("type") else {**parameters, "type": "object"}
+
+
+def tool_schema_guides(req: ChatCompletionRequest) -> list[Guide]:
+    """The parameters schemas the tool_choice guide is made of (all tools for "required", the named one's),
+    each under its own field: a schema that does not compile is named where the client wrote it."""
+    choice = req.effective_tool_choice
+    if choice != "required" and not isinstance(choice, NamedToolChoice):
+        return []
+    return [json_schema_guide(_object_schema(tool.function.parameters), f"tools.{i}.function.parameters")
+            for i, tool in enumerate(req.tools or [])
+            if choice == "required" or tool.function.name == choice.function.name]
+
+
+def refuse_unguided(guide: Guide | None, guided_decoding: bool) -> None:
+    """A guided request on an engine whose guided decoding is off (EngineMetadata.guided_decoding) is a 400
+    naming the field: TensorRT-LLM would generate it unguided, without a word (audit finding 8)."""
+    if guide is not None and not guided_decoding:
+        raise invalid_request(f"{guide.param}: guided decoding is off on this model's engine (its "
+                              "guided_decoding_backend or xgrammar_tokenizer_info_path is empty), so the output "
+                              "could not follow it", guide.param)
 
 
 def named_tool_guide(tool: ToolDefinition, param: str = "tool_choice") -> Guide:
@@ -78,9 +103,9 @@ def extension_guide(req: GuidedFields) -> Guide | None:
     if req.guided_json is not None:
         return json_schema_guide(req.guided_json, "guided_json")
     if req.guided_regex is not None:
-        return Guide("regex", req.guided_regex, "guided_regex")
+        return Guide("regex", check_size(req.guided_regex, "guided_regex", "regex"), "guided_regex")
     if req.guided_grammar is not None:
-        return Guide("ebnf_grammar", req.guided_grammar, "guided_grammar")
+        return Guide("ebnf_grammar", check_size(req.guided_grammar, "guided_grammar", "grammar"), "guided_grammar")
     return None
 
 

@@ -22,6 +22,15 @@ What the model does (each rule and its upstream source: rules.py):
 - the engine: request_output_len clamped to max_seq_len - prompt (upstream clamps; the CPU engine would
   refuse), end_id and prompt length validated as the executor does, cancellation polled every
   cancellation_check_period_ms (default 100).
+- the sampler and the executor's queue (rules.SAMPLER_SOURCES): a request without a seed is seeded with 0;
+  output_log_probs as normalize_log_probs makes them (all 0.0 for a greedy request with it on; the CPU
+  engine's own values where upstream's equal them; a request with return_log_probs whose upstream values the
+  double cannot compute is refused, rules.log_prob_rule); with dynamic_batching's max_queue_size > 0, a
+  request past that many waiting gets the executor's "Maximum queue size of N has been reached" at once.
+
+- a guide that fails to compile in the engine (rules.GUIDE_FAILS_THE_BATCH): every active request ends with
+  upstream's "Encountered an error in forwardAsync function: <reason>", this one included; the double logs
+  each such guide (rules.GUIDE_FAILED_LOG) and counts it (metric rules.GUIDE_FAILURES_METRIC).
 
 The production model builds each request's response sink through its `_make_sink` hook, which the
 double overrides; it also wraps its engine's `submit` (the executor's checks) and sets how often the engine
@@ -71,10 +80,13 @@ else:  # loaded by file path inside the Triton stub, where tests/ is no package
 
 # ----- the test side: adding the double to a model repository ---------------------------------------------
 def add_contract_double(repository: Path, name: str, engine_dir: Path,
-                        template_dir: Path = REPO_ROOT / "model_repository", **knobs: float) -> None:
+                        template_dir: Path = REPO_ROOT / "model_repository", *,
+                        parameters: dict[str, str] | None = None, max_queue_size: int | None = None,
+                        **knobs: float) -> None:
     """Write `repository/<name>`: the production template rendered with the TensorRT-LLM values for the
     CPU engine build in `engine_dir` (its engine_config.json), as a Python model running this file's
-    TritonPythonModel. Raises ValueError for a name that is not a plain model name or is taken, an
+    TritonPythonModel. `parameters` and `max_queue_size` change what a deployment may change in the rendered
+    config (see contract_config). Raises ValueError for a name that is not a plain model name or is taken, an
     unknown knob, or a rendered config that does not hold exactly one `backend: "tensorrtllm"` line."""
     from build_engine.render import render_repository  # test process only: no build_engine in the stub
     from build_engine.values import repository_values
@@ -96,7 +108,7 @@ def add_contract_double(repository: Path, name: str, engine_dir: Path,
         rendered = Path(scratch) / "model_repository"
         render_repository(Path(template_dir), values, rendered)
         text = (rendered / ENGINE_MODEL / "config.pbtxt").read_text()
-    config = contract_config(text, name, knobs)
+    config = contract_config(text, name, knobs, parameters, max_queue_size)
     (target / "1").mkdir(parents=True, exist_ok=True)
     (target / "config.pbtxt").write_text(config)
     (target / "1" / "model.py").write_text(_loader_source(name))
@@ -123,9 +135,12 @@ def make_named_contract_doubles(repository: Path, template_dir: Path = REPO_ROOT
         model.config_path.write_text(contract_config(rendered, model.name))
 
 
-def contract_config(rendered: str, name: str, knobs: dict[str, float] | None = None) -> str:
+def contract_config(rendered: str, name: str, knobs: dict[str, float] | None = None,
+                    parameters: dict[str, str] | None = None, max_queue_size: int | None = None) -> str:
     """The rendered TensorRT-LLM config with exactly two changes: the backend line and the model name (plus
-    the knobs, appended as parameters, if any)."""
+    the knobs, appended as parameters, if any). A test that needs another deployment's setting may also set
+    the value of parameters the rendered config holds (`parameters`, e.g. normalize_log_probs) and
+    dynamic_batching's max_queue_size (the executor's queue bound: rules.max_queue_size)."""
     knobs = dict(knobs or {})
     unknown = sorted(set(knobs) - set(KNOB_TYPES))
     if unknown:
@@ -138,6 +153,16 @@ def contract_config(rendered: str, name: str, knobs: dict[str, float] | None = N
         raise ValueError("expected exactly one top-level name line in the rendered TensorRT-LLM config")
     text = _BACKEND_LINE.sub('backend: "python"', rendered)
     text = _NAME_LINE.sub(f'name: "{name}"', text)
+    for key, value in (parameters or {}).items():
+        text, count = re.subn(rf'(key: "{re.escape(key)}"\s*value: {{ string_value: )"[^"]*"',
+                              lambda match: f'{match.group(1)}"{value}"', text)
+        if count != 1:
+            raise ValueError(f"the rendered TensorRT-LLM config holds parameter {key!r} {count} times, not once")
+    if max_queue_size is not None:
+        text, count = re.subn(r"(default_queue_policy:\s*\{\s*max_queue_size:\s*)\d+",
+                              lambda match: f"{match.group(1)}{int(max_queue_size)}", text)
+        if count != 1:
+            raise ValueError("the rendered TensorRT-LLM config has no dynamic_batching default_queue_policy")
     if knobs:
         parameters = "".join(
             f'parameters: {{\n  key: "{key}"\n  value: {{ string_value: "{KNOB_TYPES[key](value)}" }}\n}}\n'
@@ -186,11 +211,13 @@ class _Pending:
     triton_id: str
     return_log_probs: bool
     response_error: str | None  # upstream's error in place of the first response
+    zero_log_probs: bool = False  # rules.log_prob_rule(): every output_log_probs value 0.0
 
 
 def _build_model_class() -> type:
     production = _load_by_path("trtllm_contract_production_model", PRODUCTION_MODEL)
     pb_utils = production.pb_utils
+    from cpu_engine.engine import QueueFullError
     from cpu_engine.scheduler import STOPPED_BY_ID, FinishReason, RequestError
 
     FINAL = production.FINAL
@@ -206,13 +233,18 @@ def _build_model_class() -> type:
             self.model = model
             self.triton_id = pending.triton_id
             self.response_error = pending.response_error
-            self.shaper = rules.ResponseShaper(prompt, streaming, exclude_input, outputs, pending.return_log_probs)
+            self.shaper = rules.ResponseShaper(prompt, streaming, exclude_input, outputs, pending.return_log_probs,
+                                               pending.zero_log_probs)
             self.request = None  # the engine request, set by the double's submit
             self.executor_id = 0
             self.done = False
+            self.terminated: str | None = None  # rules.GUIDE_FAILS_THE_BATCH: the batch's error, sent next
 
         def send(self, tokens, finish) -> None:
             if self.done:
+                return
+            if self.terminated is not None:  # the batch failed (a guide): no token after it, only the error
+                self.send_error(self.terminated)
                 return
             arrays = self.shaper.step([t.token for t in tokens], [float(t.logprob) for t in tokens],
                                       finished=finish is not None)
@@ -272,12 +304,20 @@ def _build_model_class() -> type:
             self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
             self._lock = threading.Lock()  # _latest: execute() and the engine thread
             self._latest: dict[str, ContractSink] = {}  # Triton request id -> its latest request (upstream's map)
+            self._active: set[ContractSink] = set()  # in the engine (the executor's active requests)
             self._executor_ids = itertools.count(1)
             self._pending: _Pending | None = None
             engine_dir = Path(rules.get_parameter(config, "gpt_model_path"))
             engine_config = json.loads((engine_dir / "engine_config.json").read_text())
             pb_utils.Logger.log_warn(f"{args['model_name']}: TEST MODEL, the TensorRT-LLM contract double")
-            super().initialize(args)
+            # rules.log_prob_rule(): what output_log_probs hold (getExecutorConfigFromParams(), default true).
+            self.normalize_log_probs = bool(rules.parameter_value(config, "normalize_log_probs"))
+            # rules.max_queue_size(): the executor's queue is the CPU engine's queue of requests waiting for a
+            # batch row, which the production model bounds by cpu_max_queue_size (a key upstream never reads):
+            # the double hands it max_queue_size instead, and answers a full queue in upstream's words (_submit).
+            self.max_queue_size = rules.max_queue_size(config)
+            config["parameters"]["cpu_max_queue_size"] = {"string_value": str(self.max_queue_size)}
+            super().initialize({**args, "model_config": json.dumps(config)})
 
             # model_instance_state.cc WaitForCancel(): Triton's cancellation is polled every this many ms.
             self.engine.cancel_poll_s = rules.cancellation_check_period_s(config)
@@ -287,6 +327,13 @@ def _build_model_class() -> type:
             self.max_input_len = int(engine_config.get("max_input_len") or self.max_seq_len - 1)
             self._production_submit = self.engine.submit
             self.engine.submit = self._submit
+            # rules.GUIDE_FAILS_THE_BATCH: the guides that failed to compile in the engine, for tests to read (made
+            # last: metric families must not outlive a failed initialize(), see the production model).
+            self._guide_failures_family = pb_utils.MetricFamily(
+                name=rules.GUIDE_FAILURES_METRIC, kind=pb_utils.MetricFamily.COUNTER,
+                description="contract double: guides that failed to compile in the engine (each failed the batch)")
+            self.guide_failures = self._guide_failures_family.Metric(
+                labels={"model": args["model_name"], "version": args["model_version"]})
 
         def _make_sink(self, sender, streaming, prompt, exclude_input, top_logprobs, outputs):
             if self._pending is None:
@@ -322,8 +369,15 @@ def _build_model_class() -> type:
             violation = rules.request_violation(inputs, request.requested_output_names(), self.decoupled)
             if violation is not None and violation.when == rules.ENQUEUE_TIME:
                 raise RequestError(violation.message)
-            self._pending = _Pending(triton_id, rules.first_flag(inputs, "return_log_probs"),
-                                     violation.message if violation is not None else None)
+            return_log_probs = rules.first_flag(inputs, "return_log_probs")
+            zero_log_probs = False
+            if return_log_probs:  # the sampler's log-probs (rules.log_prob_rule); refused where not modelled
+                log_probs = rules.log_prob_rule(inputs, request.requested_output_names(), self.normalize_log_probs)
+                if log_probs.refusal is not None:
+                    raise RequestError(log_probs.refusal)
+                zero_log_probs = log_probs.output == rules.LOG_PROBS_ZERO
+            self._pending = _Pending(triton_id, return_log_probs,
+                                     violation.message if violation is not None else None, zero_log_probs)
             try:
                 super()._enqueue(request, sender)
             finally:
@@ -342,8 +396,16 @@ def _build_model_class() -> type:
                 raise RequestError(rules.EXECUTOR_ERROR.format(request_id=sink.executor_id, message=error))
             request.max_new_tokens = rules.clamped_output_len(len(request.prompt), request.max_new_tokens,
                                                               self.max_seq_len)
+            # rules.effective_seed(): no seed input is seed 0 (the CPU engine would draw a random one).
+            request.sampling.seed = rules.effective_seed(request.sampling.seed)
             sink.request = request
-            self._production_submit(request)
+            try:
+                self._production_submit(request)
+            except QueueFullError:  # executorImpl.cpp enqueueRequests(): an error response at once
+                raise RequestError(rules.QUEUE_FULL.format(max_queue_size=self.max_queue_size)) from None
+            with self._lock:  # rules.GUIDE_FAILS_THE_BATCH fails these
+                if not sink.done:
+                    self._active.add(sink)
             if sink.triton_id:  # model_instance_state.cc enqueue(): the latest request with an id wins
                 with self._lock:
                     if not sink.done:
@@ -351,8 +413,31 @@ def _build_model_class() -> type:
 
         def _forget(self, sink) -> None:
             with self._lock:
+                self._active.discard(sink)
                 if self._latest.get(sink.triton_id) is sink:
                     del self._latest[sink.triton_id]
+
+        def _guide_compiled(self, generation, sender, guide, error) -> None:
+            """rules.GUIDE_FAILS_THE_BATCH: upstream compiles a request's guide in the executor loop, and a guide
+            that does not compile fails every active request with the executor's error, this one included (which
+            the executor had taken, so it has an executor id). Runs on a guide-compile thread: the other requests
+            get the error from the engine thread (ContractSink.send), their cancellation ending them."""
+            reason = rules.engine_guide_failure(error)
+            if reason is None:  # compiled, or refused for another reason (the model unloading)
+                super()._guide_compiled(generation, sender, guide, error)
+                return
+            message = rules.FORWARD_ASYNC_ERROR + reason
+            with self._lock:
+                active = [sink for sink in self._active if not sink.done]
+            pb_utils.Logger.log_error(f"{self.model_name}: {rules.GUIDE_FAILED_LOG}{error} (request "
+                                      f"{generation.request_id!r}; {len(active)} other active requests fail too)")
+            self.guide_failures.increment(1)
+            for sink in active:
+                sink.terminated = message
+                self.engine.cancel(sink.request)
+            failed = generation.sink
+            failed.executor_id = next(self._executor_ids)
+            failed.send_error(message)
 
         def _after_step(self) -> None:
             super()._after_step()

@@ -747,10 +747,162 @@ def executor_violation(prompt_len: int, end_id: int | None, max_input_len: int, 
     return None
 
 
+# executorImpl.cpp Executor::Impl::forwardAsync(): an exception of the model's forwardAsync is caught there and
+# terminateActiveRequests() sends "Encountered an error in forwardAsync function: " + e.what() to EVERY active
+# request (each then ends FINAL with it, through fillTritonResponse: EXECUTOR_ERROR) and drops them all. The
+# model's forwardAsync (trtGptModelInflightBatching.cpp) calls guidedDecoder.cpp GuidedDecoder::build(), which
+# compiles a new request's guide at its first context step (CompileJSONSchema, Grammar::FromRegex,
+# Grammar::FromEBNF): a guide xgrammar cannot compile fails the whole batch. e.what() is xgrammar's error,
+# which starts with its log prefix ("[hh:mm:ss] <file>:<line>: "); the double gives the reason without it.
+# Read: executorImpl.cpp @036a60f7, guidedDecoder.cpp @000a01de (stored copies; the 1.1.0 tag is not stored).
+GUIDE_FAILS_THE_BATCH = ("executorImpl.cpp Executor::Impl::forwardAsync, terminateActiveRequests; "
+                         "trtGptModelInflightBatching.cpp forwardAsync -> guidedDecoder.cpp GuidedDecoder::build")
+FORWARD_ASYNC_ERROR = "Encountered an error in forwardAsync function: "
+# What the double logs (Triton's log) and counts (metric GUIDE_FAILURES_METRIC) for each such guide.
+GUIDE_FAILED_LOG = "contract double: a guide failed to compile in the engine, failing every active request: "
+GUIDE_FAILURES_METRIC = "trtllm_contract_guide_failures_total"
+# The CPU engine's refusal of a guide that does not compile (cpu_engine/guided.py GuideCompiler._compile; an
+# unexpected compiler exception: cpu_engine/guide_pool.py GuidePool._run).
+_CPU_GUIDE_FAILURE = re.compile(r"invalid guided_decoding_guide for guided_decoding_guide_type '[^']*': (.*)"
+                                r"|(compiling the guided_decoding_guide failed: .*)", re.DOTALL)
+
+
+def engine_guide_failure(message: str | None) -> str | None:
+    """The compiler's reason when `message` is the CPU engine's refusal of a guide xgrammar cannot compile
+    (upstream: GuidedDecoder::build throws, GUIDE_FAILS_THE_BATCH); None for anything else (compiled, the
+    compile queue full, the model unloading)."""
+    match = _CPU_GUIDE_FAILURE.fullmatch(message or "")
+    return None if match is None else match.group(1) or match.group(2)
+
+
 def clamped_output_len(prompt_len: int, output_len: int, max_seq_len: int) -> int:
     """LlmRequest::validate(): prompt + request_output_len past max_seq_len is no error upstream: a warning,
     and request_output_len becomes max_seq_len - prompt (no draft tokens here)."""
     return min(output_len, max_seq_len - prompt_len)
+
+
+# ----- the sampler and the executor's queue ------------------------------------------------------------------
+# Read in NVIDIA/TensorRT-LLM `cpp/tensorrt_llm/...` (stored copies; the commit where the index names one). No
+# stored copy is release 1.1.0 (9bab773c); where an older and a newer copy agree, 1.1.0 is taken to agree.
+SAMPLER_SOURCES = {
+    "seed": "layers/defaultDecodingParams.h DefaultDecodingParams::getSeed() @1020a8d7: 0, the curand seed of a "
+            "request without one; batch_manager/llmRequest.cpp createChildRequest(): \"If no seed is provided, "
+            "the parent's seed defaults to 0\"; maintainers on TensorRT-LLM #1000 and #2411",
+    "order": "layers/layersFactory.h createDecodingLayerTypes() @20709ce9: penalty layer, ban-words layer, "
+             "decoding (sampling) layer; batch_manager/trtGptModelInflightBatching.cpp forwardAsync(): "
+             "GuidedDecoder::execute() (batch_manager/guidedDecoder.cpp @000a01de, invokeLogitsBitmask on the "
+             "logits in place) runs before mDecoder->forwardAsync()",
+    "penalties": "kernels/penaltyKernels.cu batchApplyPenalty() @249d93d5: logit * 1/(T + 1e-6) when T != 1, "
+                 "then repetition, presence and frequency over the prompt's AND the generated tokens (the "
+                 "context phase counts input_ids; PR#8127's promptIgnoreLength came after 1.1), then end_id "
+                 "masked while fewer than min_tokens were generated",
+    "softmax": "layers/samplingLayer.cpp SamplingLayer::forwardAsync() @03961722 (same in a 2026 copy): a "
+               "softmax over the whole vocabulary of those processed logits whenever the mode has top-p (the "
+               "default top_k_top_p) or log-probs are asked for (probsComputed)",
+    "top_k": "kernels/samplingTopKKernels.cu topKStage2Sampling() @03961722 (same in a newer copy): log-prob "
+             "= log p(token), or with normalizeLogProbs log(p(token) / sum of the top-k p): 0.0 when k is 1; "
+             "cum_log_probs always adds the unnormalised log p; layers/topKSamplingLayer.cpp setup() @03961722 "
+             "(mNormalizeLogProbs) and setupTopKRuntimeArgs(): top_k 0 with top_p 0 is top_k 1; top_k 0 "
+             "otherwise goes to the top-p layer",
+    "top_p": "kernels/samplingTopPKernels.cu epilogue() (the stored copies, 03cff08f and a newer one): log "
+             "p(token) over the whole vocabulary, never normalised",
+    "normalize": "triton_backend model_instance_state.cc getExecutorConfigFromParams() @0c8de69a: "
+                 "normalize_log_probs, default true -> ExecutorConfig normalizeLogProbs",
+    "queue": "executor/executorImpl.cpp Executor::Impl::enqueueRequests() @036a60f7: TLLM_THROW when "
+             "maxQueueSize > 0 and queued + new > maxQueueSize; model_instance_state.cc "
+             "getExecutorConfigFromParams(): maxQueueSize = dynamic_batching.default_queue_policy.max_queue_size, "
+             "and enqueue() sends the exception's text as the request's error response at once",
+}
+DEFAULT_SEED = 0
+
+
+def effective_seed(seed: int | None) -> int:
+    """The seed the executor samples a request with (SAMPLER_SOURCES["seed"]): a request without a `seed`
+    input is seeded with 0, so unseeded requests that are otherwise alike draw alike."""
+    return DEFAULT_SEED if seed is None else seed
+
+
+# What upstream reports in output_log_probs / cum_log_probs (return_log_probs): the value the CPU engine under
+# the double reports (log-softmax of the model's logits after a guide's mask: the model's own log-prob,
+# OpenAI's meaning), all 0.0, or something the double cannot compute (then it refuses the request).
+LOG_PROBS_MODEL = "model"
+LOG_PROBS_ZERO = "zero"
+LOG_PROBS_NOT_MODELLED = (DOUBLE + "with {settings}, TensorRT-LLM reports {output} {what}, which the CPU engine "
+                          "under the double does not compute; it refuses the request rather than answer with "
+                          "other numbers (rules.log_prob_rule)")
+
+
+@dataclass(frozen=True)
+class LogProbRule:
+    output: str | None  # output_log_probs: LOG_PROBS_MODEL, LOG_PROBS_ZERO, or None (not modelled)
+    cum: str | None  # cum_log_probs: LOG_PROBS_MODEL or None (not modelled)
+    refusal: str | None  # the double's refusal when a filled output is not modelled
+
+
+def _number(item: Mapping[str, np.ndarray], name: str, default: float) -> float:
+    value = _singleton(item, name)
+    return default if value is None else float(value)
+
+
+def log_prob_rule(inputs: Mapping[str, np.ndarray], requested_outputs: Iterable[str],
+                  normalize_log_probs: bool) -> LogProbRule:
+    """What upstream fills output_log_probs and cum_log_probs with for this (one-row) request
+    (SAMPLER_SOURCES). The sampler's distribution is the softmax of the logits after the guide's mask,
+    temperature, repetition/presence/frequency penalties (prompt tokens counted), min_tokens' end_id mask and
+    bad words, over the whole vocabulary; it is the model's own exactly when none of these but the guide
+    changes a logit. Top-k and top-p only pick the token, except that with normalize_log_probs the top-k path
+    (effective top_k > 0) reports log(p / the top-k's sum): 0.0 for a greedy request (top_k 1, or top_k 0
+    with top_p 0). Absent inputs take upstream's defaults (utils.cc getSamplingConfigFromTensors; top_p 0);
+    an absent min_tokens is taken as 0 (the frontend always sends it)."""
+    item = batch_items(inputs)[0]  # one row: the CPU engine refuses batches
+    temperature = _number(item, "temperature", 1.0)
+    top_k, top_p = int(_number(item, "runtime_top_k", 0)), _number(item, "runtime_top_p", 0.0)
+    changed = []  # what makes the sampler's distribution other than the model's
+    if abs(temperature - 1.0) >= 1e-9:  # penaltyKernels.cu: almostEqual(temperature, 1.0, 1e-9)
+        changed.append(f"temperature {temperature:g}")
+    for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        value = _number(item, name, neutral)
+        if abs(value - neutral) >= 1e-9:
+            changed.append(f"{name} {value:g}")
+    if _number(item, "min_tokens", 0) > 0:
+        changed.append("min_tokens > 0")
+    if "bad_words_list" in item and convert_word_list(np.asarray(item["bad_words_list"]).reshape(-1)):
+        changed.append("bad_words_list")
+    processed = LOG_PROBS_MODEL if not changed else None
+    effective_top_k = 1 if top_k == 0 and top_p == 0.0 else top_k  # topK kernels setupTopKRuntimeArgs()
+    if normalize_log_probs and effective_top_k == 1:
+        output = LOG_PROBS_ZERO
+    elif normalize_log_probs and effective_top_k > 1:
+        output, changed = None, changed + [f"normalize_log_probs true and top_k {effective_top_k}"]
+    else:
+        output = processed
+    filled = filled_outputs(requested_outputs, first_flag(inputs, "return_log_probs"))
+    missing = [name for name, rule in (("output_log_probs", output), ("cum_log_probs", processed))
+               if name in filled and rule is None]
+    refusal = None
+    if missing:
+        what = ("log p over the top-k tokens renormalised" if output is None and processed is not None
+                else "the log-probs of the distribution after those")
+        refusal = LOG_PROBS_NOT_MODELLED.format(settings=", ".join(changed), output=" and ".join(missing), what=what)
+    return LogProbRule(output, processed, refusal)
+
+
+# executorImpl.cpp enqueueRequests() (TLLM_THROW: the text up to TLLM_THROW's suffix, see the module docstring)
+QUEUE_FULL = "Maximum queue size of {max_queue_size} has been reached, please try again later"
+
+
+def max_queue_size(config: Mapping[str, Any]) -> int:
+    """The executor's queue bound (SAMPLER_SOURCES["queue"]): dynamic_batching.default_queue_policy.
+    max_queue_size (Triton's JSON may give the int64 as a string); absent or 0: no bound. The queue holds the
+    requests the executor has not yet taken into its batch (fetchNewRequests): for the CPU engine, those
+    waiting for a batch row."""
+    policy = (config.get("dynamic_batching") or {}).get("default_queue_policy") or {}
+    return max(0, int(policy.get("max_queue_size", 0) or 0))
+
+
+def queue_full(queued: int, bound: int) -> str | None:
+    """enqueueRequests(): upstream's refusal for one more request when `queued` already wait (None: taken)."""
+    return QUEUE_FULL.format(max_queue_size=bound) if bound > 0 and queued + 1 > bound else None
 
 
 # ----- responses ---------------------------------------------------------------------------------------------
@@ -785,11 +937,14 @@ class ResponseShaper:
       (trtGptModelInflightBatching.cpp hands setLogProbs() all generated log-probs each step; createResult()
       returns them all): not the new tokens' only, and never the prompt's.
     - cum_log_probs [1, beams] float32: the running sum.
+    - `zero_log_probs` (log_prob_rule(): normalize_log_probs and a greedy request): every output_log_probs
+      value 0.0, while cum_log_probs still sums the unnormalised log-probs (topKStage2Sampling()).
     - A cancelled request (client gone, or a stop request) ends like any other: a FINAL response, no error.
     """
 
     def __init__(self, prompt: list[int], streaming: bool, exclude_input: bool, requested: Iterable[str],
-                 return_log_probs: bool):
+                 return_log_probs: bool, zero_log_probs: bool = False):
+        self.zero_log_probs = zero_log_probs
         self.prompt = list(prompt)
         self.streaming = streaming
         self.exclude_input = exclude_input
@@ -814,7 +969,8 @@ class ResponseShaper:
         arrays = {
             "output_ids": np.asarray(ids, dtype=np.int32).reshape(1, 1, len(ids)),
             "sequence_length": np.asarray([[len(ids)]], dtype=np.int32),
-            "output_log_probs": np.asarray(self.logprobs, dtype=np.float32).reshape(1, 1, len(self.logprobs)),
+            "output_log_probs": np.asarray([0.0] * len(self.logprobs) if self.zero_log_probs else self.logprobs,
+                                           dtype=np.float32).reshape(1, 1, len(self.logprobs)),
             "cum_log_probs": np.asarray([[sum(self.logprobs)]], dtype=np.float32),
         }
         return {name: array for name, array in arrays.items() if name in self.outputs}
@@ -862,4 +1018,16 @@ RULES: tuple[Rule, ...] = (
          EXECUTOR_ERROR.format(request_id="<id>", message=FETCH_ERROR_PREFIX + END_ID_OUT_OF_RANGE)),
     Rule("prompt longer than max_input_len", "llmRequest.cpp LlmRequest::validate",
          EXECUTOR_ERROR.format(request_id="<id>", message=FETCH_ERROR_PREFIX + PROMPT_TOO_LONG)),
+    Rule("a request's guide does not compile: EVERY active request fails with it, not only its own (GPU: the "
+         "frontend compiles guides first, frontend/planning/guide_check.py)", GUIDE_FAILS_THE_BATCH,
+         EXECUTOR_ERROR.format(request_id="<id>", message=FORWARD_ASYNC_ERROR + "<xgrammar's reason>")),
+    # The sampler and the executor's queue (SAMPLER_SOURCES; not errors but what the double does as upstream):
+    Rule("no seed input: the request is seeded with 0 (effective_seed)", SAMPLER_SOURCES["seed"],
+         "(no error: unseeded requests alike draw alike)"),
+    Rule("log-probs with normalize_log_probs on and top_k 1: every output_log_probs value 0.0 (log_prob_rule)",
+         SAMPLER_SOURCES["top_k"], "(no error: 0.0)"),
+    Rule("log-probs with normalize_log_probs off, or from the top-p path: log-softmax of the logits after the "
+         "guide's mask, temperature, penalties (prompt counted), min_tokens and bad words; the double refuses "
+         "what it cannot compute (log_prob_rule)", SAMPLER_SOURCES["penalties"], LOG_PROBS_NOT_MODELLED),
+    Rule("max_queue_size > 0 requests already wait for the executor", SAMPLER_SOURCES["queue"], QUEUE_FULL),
 )

@@ -18,6 +18,13 @@ from build_engine.render import render_repository
 from build_engine.values import repository_values
 from tests.trtllm_contract import rules
 from tests.trtllm_contract.double import REPO_ROOT, add_contract_double, contract_config
+# The sampler rules' frontend side (frontend/planning/logprobs.py, the queue-full mapping, the metadata field).
+from frontend.generation.engine import SamplingOptions
+from frontend.generation.triton_engine import TritonEngine, build_inputs, error_for, requested_outputs
+from frontend.openai.errors import OpenAIError
+from frontend.openai.schemas import SamplingFields
+from frontend.planning.logprobs import check_logprobs_meaning, logprobs_meaning_problems
+from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
 TEMPLATE_DIR = REPO_ROOT / "model_repository"
 DOUBLE_NAME = "tensorrt_llm_contract"
@@ -188,7 +195,9 @@ def test_parameters_parse_as_the_cpp_does(trtllm_config) -> None:
     config = with_params(trtllm_config, exclude_input_in_output="yes", cancellation_check_period_ms="250")
     assert rules.exclude_input_default(config) is False  # unparsable: the default
     assert rules.cancellation_check_period_s(config) == pytest.approx(0.25)
-    assert rules.cancellation_check_period_s(without(trtllm_config)) == pytest.approx(0.1)
+    assert rules.cancellation_check_period_s(trtllm_config) == pytest.approx(0.02)  # the template's
+    assert rules.cancellation_check_period_s(without(trtllm_config, "cancellation_check_period_ms")) == \
+        pytest.approx(0.1)  # upstream's default
     warnings = rules.defaulted_parameter_warnings(config)
     assert any("Cannot convert yes to a boolean." in w for w in warnings)
     assert rules.defaulted_parameter_warnings(trtllm_config) == []
@@ -448,3 +457,173 @@ def test_a_guide_upstream_would_drop_without_a_word_is_refused_by_the_double() -
     assert "'xml' is not one TensorRT-LLM maps" in rules.check_request(unknown, outputs, decoupled=True)
     no_type = {**base, "guided_decoding_guide": guided["guided_decoding_guide"]}
     assert "without guided_decoding_guide_type" in rules.check_request(no_type, outputs, decoupled=True)
+
+
+# ----- the sampler: seeds and log-probs (rules.SAMPLER_SOURCES) --------------------------------------------------
+NUMPY_TYPES = {"INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_, "UINT64": np.uint64}
+
+
+def backend_inputs(options: SamplingOptions, prompt: list[int] = [5, 6, 7]) -> dict[str, np.ndarray]:
+    """What the frontend sends for `options` (build_inputs), as numpy arrays the way the backend reads them."""
+    arrays = {}
+    for tensor in build_inputs(prompt, options):
+        content, shape = tensor._get_content(), tensor.shape()
+        if tensor.datatype() == "BYTES":
+            arrays[tensor.name()] = deserialize_bytes_tensor(content).reshape(shape)
+        else:
+            arrays[tensor.name()] = np.frombuffer(content, dtype=NUMPY_TYPES[tensor.datatype()]).reshape(shape)
+    return arrays
+
+
+def openai_request(**fields: Any) -> SamplingFields:
+    return SamplingFields(model="m", **fields)
+
+
+def engine_options(req: SamplingFields) -> SamplingOptions:
+    """As frontend/generation/serving.py choice_jobs turns a request into one choice's options."""
+    return SamplingOptions(max_tokens=8, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=1,
+                           presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                           repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, eos_token_id=2,
+                           logprobs=True)
+
+
+def test_an_unseeded_request_is_seeded_with_0() -> None:
+    assert rules.effective_seed(None) == rules.DEFAULT_SEED == 0
+    assert rules.effective_seed(7) == 7
+
+
+def test_the_trtllm_config_asks_for_full_vocabulary_log_probs(trtllm_config, engine_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """values/trtllm.json: normalize_log_probs false (upstream's default, true, makes greedy log-probs 0.0);
+    the CPU engine's values say what its log-probs are instead."""
+    assert rules.get_parameter(trtllm_config, "normalize_log_probs") == "false"
+    assert rules.parameter_value(trtllm_config, "normalize_log_probs") is False
+    assert rules.parameter_value(without(trtllm_config, "normalize_log_probs"), "normalize_log_probs") is True
+    engine_config = json.loads((engine_dir / "engine_config.json").read_text())
+    render_repository(TEMPLATE_DIR, repository_values(TEMPLATE_DIR, "cpu", engine_config, engine_dir), tmp_path / "cpu")
+    cpu = config_json((tmp_path / "cpu" / "tensorrt_llm" / "config.pbtxt").read_text())
+    assert rules.get_parameter(cpu, "normalize_log_probs") == "model"
+
+
+LOG_PROB_OUTPUTS_ASKED = {"output_ids", "sequence_length", "output_log_probs"}  # what the frontend asks for
+
+
+@pytest.mark.parametrize(("fields", "normalized", "plain"), [
+    # (request, output_log_probs with normalize_log_probs true, ... false): zero / model / None (refused)
+    ({"temperature": 0}, rules.LOG_PROBS_ZERO, rules.LOG_PROBS_MODEL),
+    ({"temperature": 1.0}, rules.LOG_PROBS_MODEL, rules.LOG_PROBS_MODEL),  # top_k 0: the top-p path
+    ({"temperature": 1.0, "top_p": 0.5}, rules.LOG_PROBS_MODEL, rules.LOG_PROBS_MODEL),
+    ({"temperature": 1.0, "top_k": 5}, None, rules.LOG_PROBS_MODEL),
+    ({"temperature": 1.0, "top_k": 1}, rules.LOG_PROBS_ZERO, rules.LOG_PROBS_MODEL),
+    ({"temperature": 0.7}, None, None),
+    ({"temperature": 0, "presence_penalty": 0.5}, rules.LOG_PROBS_ZERO, None),  # 0.0 whatever came before
+    ({"temperature": 1.0, "frequency_penalty": 0.5}, None, None),
+    ({"temperature": 1.0, "repetition_penalty": 1.2}, None, None),
+    ({"temperature": 1.0, "min_tokens": 3}, None, None),
+])
+def test_what_output_log_probs_hold(fields: dict[str, Any], normalized: str | None, plain: str | None) -> None:
+    inputs = backend_inputs(engine_options(openai_request(**fields)))
+    for normalize, expected in ((True, normalized), (False, plain)):
+        rule = rules.log_prob_rule(inputs, LOG_PROB_OUTPUTS_ASKED, normalize)
+        assert rule.output == expected, (normalize, rule)
+        assert (rule.refusal is None) == (expected is not None)
+        if rule.refusal is not None:
+            assert rule.refusal.startswith(rules.DOUBLE) and "output_log_probs" in rule.refusal
+    without_flag = {name: value for name, value in inputs.items() if name != "return_log_probs"}
+    assert rules.log_prob_rule(without_flag, LOG_PROB_OUTPUTS_ASKED, True).refusal is None  # nothing filled
+
+
+def test_cum_log_probs_are_never_normalised() -> None:
+    inputs = backend_inputs(engine_options(openai_request(temperature=0, presence_penalty=0.5)))
+    rule = rules.log_prob_rule(inputs, LOG_PROB_OUTPUTS_ASKED | {"cum_log_probs"}, normalize_log_probs=True)
+    assert rule.output == rules.LOG_PROBS_ZERO and rule.cum is None
+    assert "cum_log_probs" in rule.refusal and "presence_penalty 0.5" in rule.refusal
+    shaper = rules.ResponseShaper([5], streaming=True, exclude_input=True, requested=ALL, return_log_probs=True,
+                                  zero_log_probs=True)
+    first = shaper.step([11], [-0.5], finished=False)
+    second = shaper.step([12], [-0.25], finished=True)
+    assert first["output_log_probs"].tolist() == [[[0.0]]] and second["output_log_probs"].tolist() == [[[0.0, 0.0]]]
+    assert second["cum_log_probs"].tolist() == [[-0.75]]  # topKStage2Sampling adds the unnormalised log p
+
+
+REQUESTS = [{"temperature": 0}, {"temperature": 1.0}, {"temperature": 1.0, "top_p": 0.3}, {"temperature": 0.7},
+            {"temperature": 1.0, "top_k": 1}, {"temperature": 1.0, "top_k": 40}, {"temperature": 0, "top_k": 40},
+            {"temperature": 0, "presence_penalty": -1.0}, {"temperature": 1.0, "frequency_penalty": 2.0},
+            {"temperature": 0, "repetition_penalty": 1.1}, {"temperature": 0, "min_tokens": 2},
+            {"temperature": 1.5, "top_k": 3, "min_tokens": 1}]
+
+
+@pytest.mark.parametrize("fields", REQUESTS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+@pytest.mark.parametrize(("log_probs", "normalize"), [("sampling", False), ("top_k_normalized", True)])
+def test_the_frontend_refuses_exactly_the_log_probs_tensorrt_llm_reports_otherwise(
+        fields: dict[str, Any], log_probs: str, normalize: bool) -> None:
+    """frontend/planning/logprobs.py against the engine side of the rule: through build_inputs, a request it lets
+    through gets the model's own log-probs from TensorRT-LLM (what the CPU engine reports), and one it refuses
+    would not. On the CPU engine ("model") nothing is refused."""
+    req = openai_request(**fields)
+    rule = rules.log_prob_rule(backend_inputs(engine_options(req)), requested_outputs(engine_options(req)), normalize)
+    problems = logprobs_meaning_problems(req, log_probs)
+    assert (not problems) == (rule.output == rules.LOG_PROBS_MODEL), (problems, rule)
+    assert logprobs_meaning_problems(req, "model") == []
+    check_logprobs_meaning(req, False, log_probs)  # no log-probs asked: nothing to refuse
+    if problems:
+        with pytest.raises(OpenAIError) as refused:
+            check_logprobs_meaning(req, True, log_probs, "logprobs")
+        assert refused.value.status == 400 and refused.value.param == "logprobs"
+        assert refused.value.type == "invalid_request_error" and problems[0] in refused.value.message
+    else:
+        check_logprobs_meaning(req, True, log_probs)
+
+
+@pytest.mark.parametrize(("value", "meaning"), [("model", "model"), ("false", "sampling"), ("0", "sampling"),
+                                                ("true", "top_k_normalized"), (None, "top_k_normalized"),
+                                                ("", "top_k_normalized"), ("no", "top_k_normalized")])
+def test_the_frontend_reads_what_the_engines_log_probs_are(value: str | None, meaning: str) -> None:
+    """TritonEngine.metadata: normalize_log_probs as the C++ backend parses it (absent or unparsable: true), and
+    the CPU engine's "model"."""
+    import asyncio
+
+    async def read() -> str:
+        engine = TritonEngine("127.0.0.1:1", "tensorrt_llm")
+        params = {"max_seq_len": "512"} if value is None else {"max_seq_len": "512", "normalize_log_probs": value}
+
+        async def parameters(model: str) -> dict[str, str]:
+            return params
+
+        engine._parameters = parameters
+        try:
+            return (await engine.metadata()).log_probs
+        finally:
+            await engine.close()
+
+    assert asyncio.run(read()) == meaning
+
+
+# ----- the executor's queue --------------------------------------------------------------------------------------
+def test_the_executor_queue_bound_comes_from_dynamic_batching(trtllm_config) -> None:
+    assert rules.max_queue_size(trtllm_config) == 0  # the template's: no bound
+    config = json.loads(json.dumps(trtllm_config))
+    config["dynamic_batching"]["default_queue_policy"] = {"max_queue_size": "2"}  # Triton's JSON: int64 as text
+    assert rules.max_queue_size(config) == 2
+    assert rules.max_queue_size({"parameters": {}}) == 0
+    assert rules.queue_full(1, 2) is None and rules.queue_full(5, 0) is None
+    assert rules.queue_full(2, 2) == "Maximum queue size of 2 has been reached, please try again later"
+
+
+def test_the_double_can_be_rendered_with_another_queue_and_normalize_log_probs(engine_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    add_contract_double(tmp_path, DOUBLE_NAME, engine_dir, parameters={"normalize_log_probs": "true"},
+                        max_queue_size=2)
+    config = config_json((tmp_path / DOUBLE_NAME / "config.pbtxt").read_text())
+    assert rules.max_queue_size(config) == 2 and rules.parameter_value(config, "normalize_log_probs") is True
+    assert rules.check_model_config(config) == [] and rules.check_interface(config) == []
+    with pytest.raises(ValueError, match="'no_such_key' 0 times"):
+        add_contract_double(tmp_path, "other", engine_dir, parameters={"no_such_key": "1"})
+
+
+def test_the_executors_full_queue_is_a_429_with_retry_after() -> None:
+    message = (rules.QUEUE_FULL.format(max_queue_size=2) + " (/src/tensorrt_llm/cpp/tensorrt_llm/executor/"
+               "executorImpl.cpp:612)\n1       0x7f0 tensorrt_llm::common::throwRuntimeError")
+    error = error_for(InferenceServerException(msg=message), "tensorrt_llm")
+    assert error.status == 429 and error.code == "overloaded" and int(error.headers["Retry-After"]) >= 1
+    assert "Maximum queue size of 2 has been reached" in error.message
