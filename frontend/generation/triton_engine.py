@@ -10,6 +10,7 @@ which the engine sees at its next step.
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -195,15 +196,22 @@ def requested_outputs(options: SamplingOptions) -> list[str]:
 
 def _new_tokens(result: grpcclient.InferResult) -> list[int]:
     """A response's tokens: `output_ids` [1, beams, len] cut at `sequence_length` [1, beams], which is
-    how the TensorRT-LLM backend marks the end of the valid ids (it pads the rest)."""
-    ids = result.as_numpy("output_ids")
-    if ids is None or ids.size == 0:
+    how the TensorRT-LLM backend marks the end of the valid ids (it pads the rest). Read straight from the
+    response's raw INT32 bytes (little-endian, as Triton sends them): this runs once per token, and the
+    InferResult/numpy route costs several times more."""
+    response = result.get_response()
+    ids = length = None
+    for output, raw in zip(response.outputs, response.raw_output_contents):
+        if output.name == "output_ids":
+            ids = raw
+        elif output.name == "sequence_length":
+            length = raw
+    if not ids:
         return []
-    tokens = ids.reshape(-1)
-    lengths = result.as_numpy("sequence_length")
-    if lengths is not None and lengths.size:
-        tokens = tokens[: max(0, int(lengths.reshape(-1)[0]))]
-    return tokens.tolist()
+    count = len(ids) // 4
+    if length:
+        count = min(count, max(0, int.from_bytes(length[:4], "little", signed=True)))
+    return list(struct.unpack_from(f"<{count}i", ids))
 
 
 def _new_log_probs(result: grpcclient.InferResult, count: int) -> list[float] | None:

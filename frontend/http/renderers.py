@@ -7,9 +7,10 @@ stream has the same `id` and `created`, as OpenAI's do.
 from __future__ import annotations
 
 import uuid
-from typing import Protocol
+from typing import Callable, Protocol
 
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from frontend.http.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from frontend.openai.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
@@ -35,16 +36,41 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+class TextFrames:
+    """The SSE frame of a delta that is only text, from a template rendered once per choice: the chunk
+    serialised with a unique marker as its text, split there; the text goes in with pydantic's own JSON
+    string encoder. The bytes are those of the full model, by construction (tests/unit/test_wire_format.py
+    checks it over many texts); the model is built once per choice instead of once per token."""
+
+    def __init__(self, render: Callable[[int, str], str]):
+        self._render = render  # (choice index, text) -> the chunk's JSON
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
+
+    def frame(self, index: int, text: str) -> bytes:
+        template = self._templates.get(index)
+        if template is None:
+            marker = f"text-{uuid.uuid4().hex}"
+            prefix, marked, suffix = self._render(index, marker).partition(f'"{marker}"')
+            if not marked or marker in suffix:
+                return sse_data(self._render(index, text))
+            template = self._templates[index] = (b"data: " + prefix.encode(), suffix.encode() + b"\n\n")
+        return template[0] + to_json(text) + template[1]
+
+
 class ChatRenderer:
     def __init__(self, model: str, indexes: list[int], top_logprobs: int | None, tokens: TokenStrings):
         self.id, self.created, self.model = completion_id("chatcmpl"), now(), model
         self.indexes, self.top_logprobs, self.tokens = indexes, top_logprobs, tokens
         self.call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> its id, made at its first delta
+        self.text_frames = TextFrames(lambda index, text: self._json([ChatChunkChoice(
+            index=index, delta=ChatDelta(content=text))]))
+
+    def _json(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                   usage=usage).model_dump_json()
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
-        chunk = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
-                                    usage=usage)
-        return sse_data(chunk.model_dump_json())
+        return sse_data(self._json(choices, usage))
 
     def _logprobs(self, delta_tokens: list) -> dict | None:
         if self.top_logprobs is None:
@@ -59,6 +85,9 @@ class ChatRenderer:
                 for i in self.indexes]
 
     def stream_delta(self, index: int, delta: TextDelta) -> list[bytes]:
+        if (delta.text and delta.finish_reason is None and self.top_logprobs is None and not delta.reasoning
+                and not delta.tool_calls):  # the common token: text only
+            return [self.text_frames.frame(index, delta.text)]
         frames = []
         logprobs = self._logprobs(delta.tokens) if delta.tokens else None
         calls = [ToolCallDeltaOut(index=call.index, id=self._call_id(index, call.index) if call.name else None,
@@ -97,15 +126,21 @@ class CompletionRenderer:
         self.id, self.created, self.model = completion_id("cmpl"), now(), model
         self.top_logprobs, self.tokens, self.echo = top_logprobs, tokens, echo
         self.offsets: dict[int, int] = {}  # per choice, the text offset of its next token (streaming)
+        self.text_frames = TextFrames(lambda index, text: self._json([CompletionChoice(index=index, text=text)]))
+
+    def _json(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices,
+                          usage=usage).model_dump_json()
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
-        chunk = Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
-        return sse_data(chunk.model_dump_json())
+        return sse_data(self._json(choices, usage))
 
     def stream_start(self) -> list[bytes]:
         return [self._chunk([CompletionChoice(index=i, text=text)]) for i, text in self.echo.items()]
 
     def stream_delta(self, index: int, delta: TextDelta) -> list[bytes]:
+        if delta.text and delta.finish_reason is None and self.top_logprobs is None:  # the common token
+            return [self.text_frames.frame(index, delta.text)]
         logprobs = None
         if self.top_logprobs is not None and delta.tokens:
             logprobs, self.offsets[index] = completion_logprobs(

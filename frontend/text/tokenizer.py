@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Collection
 
+import tokenizers
 from transformers import AutoTokenizer
 
 from frontend.text.detokenizer import IncrementalDetokenizer
@@ -40,6 +41,7 @@ class Tokenizer:
         self.pad_token_id: int | None = pad if pad is not None else self.eos_token_id
         self.vocab_size = len(self._tok)
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
+        self._decode_ids = self._fast_decode()
         # Built once here (this runs in a worker thread at model load): ~0.25 s for a 150k vocabulary.
         self._token_bytes: TokenBytes = build_token_bytes(self._tok)
         # No token is longer than this many bytes, so a text of more than `n * max_token_bytes` UTF-8
@@ -66,6 +68,15 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _fast_decode(self) -> Any:
+        """`decode` without transformers' Python layers, where the tokenizer is a Rust `tokenizers` one: the
+        detokenizer calls it twice per generated token. transformers' own fast path is exactly this call
+        (TokenizersBackend._decode) when spaces are not cleaned up."""
+        backend = getattr(self._tok, "_tokenizer", None)
+        if not isinstance(backend, tokenizers.Tokenizer):
+            return self.decode
+        return functools.partial(backend.decode, skip_special_tokens=True)
 
     @functools.cached_property
     def _skipped_special_tokens(self) -> dict[int, str]:
@@ -137,5 +148,5 @@ class Tokenizer:
         kept = frozenset(i for i, text in self._skipped_special_tokens.items() if text in markers) \
             if markers else frozenset()
         if not kept:
-            return IncrementalDetokenizer(self.decode, prompt_tail=prompt_ids)
+            return IncrementalDetokenizer(self._decode_ids, prompt_tail=prompt_ids)
         return IncrementalDetokenizer(functools.partial(self._decode_keeping, kept), prompt_tail=prompt_ids)

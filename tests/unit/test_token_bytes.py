@@ -340,3 +340,19 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_the_detokenizers_fast_decode_is_decode(demo: Tokenizer, sp: Tokenizer) -> None:
+    """The detokenizer decodes through the Rust tokenizer directly; it must give exactly `decode`'s text,
+    special tokens (skipped) and split characters included."""
+    import random
+
+    rng = random.Random(0)
+    for tokenizer in (demo, sp):
+        assert tokenizer._decode_ids is not tokenizer.decode  # the fast path is in use
+        specials = list(tokenizer._tok.all_special_ids)
+        for _ in range(300):
+            ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 12))]
+            ids += rng.sample(specials, k=min(len(specials), rng.randrange(0, 2)))
+            rng.shuffle(ids)
+            assert tokenizer._decode_ids(ids) == tokenizer.decode(ids), ids

@@ -7,7 +7,9 @@ import math
 
 import numpy as np
 import pytest
-from tritonclient.utils import InferenceServerException
+from tritonclient.grpc import service_pb2
+from tritonclient.grpc._infer_result import InferResult
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from frontend.generation.engine import SamplingOptions
 from frontend.generation.triton_engine import (_new_log_probs, _new_tokens, _top_alternatives, build_inputs, end_words, error_for,
@@ -45,12 +47,15 @@ def test_end_ids_besides_end_id_go_as_one_token_stop_words_unless_eos_is_ignored
     assert "stop_words_list" not in input_names(ignoring)
 
 
-class Result:
-    def __init__(self, **arrays: np.ndarray):
-        self.arrays = arrays
-
-    def as_numpy(self, name: str) -> np.ndarray | None:
-        return self.arrays.get(name)
+def Result(**arrays: np.ndarray) -> InferResult:
+    """A real gRPC response (raw little-endian contents, as Triton sends them) holding `arrays`."""
+    response = service_pb2.ModelInferResponse()
+    for name, array in arrays.items():
+        output = response.outputs.add()
+        output.name, output.datatype = name, np_to_triton_dtype(array.dtype)
+        output.shape.extend(array.shape)
+        response.raw_output_contents.append(array.astype(array.dtype.newbyteorder("<")).tobytes())
+    return InferResult(response)
 
 
 def test_new_tokens_end_at_sequence_length() -> None:

@@ -183,3 +183,32 @@ def test_sse_frames_are_data_lines_separated_by_a_blank_line() -> None:
     assert DONE == b"data: [DONE]\n\n"
     with pytest.raises(ValueError):
         sse_data("two\nlines")
+
+
+TRICKY_TEXTS = ["plain", " word", '"quoted" \\ back\\slash', "new\nline\r\ttab", "\x00\x01\x1f\x7f", "中文😀👍🏽",
+                "\u2028\u2029", "</script>", "{\"json\": [1]}", "é" * 50, "text-marker"]
+
+
+@pytest.mark.parametrize("renderer_kind", ["chat", "completion"])
+def test_text_frames_are_byte_for_byte_the_full_models(renderer_kind: str) -> None:
+    """The per-token fast path (a template rendered once per choice) must send exactly what building and
+    serialising the chunk model sends, whatever the text holds."""
+    from frontend.generation.serving import TextDelta
+    from frontend.http.renderers import ChatRenderer, CompletionRenderer
+    from frontend.openai.schemas import ChatChunkChoice, ChatDelta, CompletionChoice
+
+    rng = random.Random(0)
+    texts = TRICKY_TEXTS + ["".join(chr(rng.choice([rng.randrange(0x20, 0x7f), rng.randrange(0, 0x20),
+                                                     rng.randrange(0xa0, 0xd7ff), rng.randrange(0x10000, 0x10ffff)]))
+                                    for _ in range(rng.randrange(1, 8))) for _ in range(300)]
+    for index in (0, 3):
+        renderer = ChatRenderer('model "x"', [index], None, None) if renderer_kind == "chat" else \
+            CompletionRenderer('model "x"', None, None, {})
+        for text in texts:
+            fast = renderer.stream_delta(index, TextDelta(text))
+            if renderer_kind == "chat":
+                full = renderer._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text))])
+            else:
+                full = renderer._chunk([CompletionChoice(index=index, text=text)])
+            assert fast == [full], text
+            json.loads(fast[0][len(b"data: "):])
