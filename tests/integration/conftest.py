@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -112,6 +113,20 @@ def start_frontend(triton_grpc_url: str, port: int, log_file: Path, **env: str) 
                    "TRITON_GRPC_URL": triton_grpc_url, **env}
     return subprocess.Popen([sys.executable, "-m", "frontend"], env=environment, cwd=REPO_ROOT,
                             stdout=log_file.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@contextmanager
+def frontend_on(stack: Stack, engine_model: str, log_dir: Path, **env: str) -> Iterator[str]:
+    """A frontend of its own on one engine model of the session Triton, serving it under the stack's model
+    id (unless `env` says otherwise): its base URL (http://.../v1), until the block ends."""
+    port = find_free_port()
+    process = start_frontend(stack.triton_grpc_url, port, log_dir / "frontend.log", ENGINE_MODEL=engine_model,
+                             **{"SERVED_MODEL_NAME": stack.model, **env})
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health/ready", 120, process)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        stop_process(process)
 
 
 @pytest.fixture(scope="session")

@@ -22,9 +22,8 @@ from tritonclient.utils import InferenceServerException
 
 from frontend.generation.engine import SamplingOptions
 from frontend.generation.triton_engine import build_inputs
-from launcher.ports import find_free_port
-from tests.integration.conftest import (CONTRACT_MODEL, Stack, engine_is_idle, engine_settled, start_frontend,
-                                        stop_process, wait_engine, wait_http_ok, wait_until)
+from tests.integration.conftest import (CONTRACT_MODEL, Stack, engine_is_idle, engine_settled, frontend_on,
+                                        wait_engine, wait_until)
 from tests.trtllm_contract import rules
 
 pytestmark = pytest.mark.integration
@@ -33,15 +32,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def contract_url(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A frontend over the contract double: its base URL (http://.../v1)."""
-    port = find_free_port()
-    log = tmp_path_factory.mktemp("trtllm_contract") / "frontend.log"
-    process = start_frontend(stack.triton_grpc_url, port, log, ENGINE_MODEL=CONTRACT_MODEL,
-                             SERVED_MODEL_NAME=stack.model)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health/ready", 120, process)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        stop_process(process)
+    with frontend_on(stack, CONTRACT_MODEL, tmp_path_factory.mktemp("trtllm_contract")) as url:
+        yield url
 
 
 def post(base_url: str, endpoint: str, body: dict[str, Any]) -> httpx.Response:

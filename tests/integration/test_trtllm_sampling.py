@@ -19,9 +19,7 @@ import pytest
 
 from frontend.generation.engine import SamplingOptions
 from frontend.generation.triton_engine import build_inputs, requested_outputs
-from launcher.ports import find_free_port
-from tests.integration.conftest import (CONTRACT_MODEL, Stack, engine_settled, start_frontend, stop_process,
-                                        wait_engine, wait_http_ok)
+from tests.integration.conftest import CONTRACT_MODEL, Stack, engine_settled, frontend_on, wait_engine
 from tests.integration.test_triton_grpc import stream_once
 from tests.integration.test_trtllm_contract import contract_url, post  # noqa: F401 (a fixture)
 from tests.trtllm_contract import rules
@@ -53,15 +51,8 @@ def defaults_model(stack: Stack, built_engine: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def defaults_url(stack: Stack, defaults_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = find_free_port()
-    log = tmp_path_factory.mktemp("trtllm_defaults") / "frontend.log"
-    process = start_frontend(stack.triton_grpc_url, port, log, ENGINE_MODEL=defaults_model,
-                             SERVED_MODEL_NAME=stack.model)
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health/ready", 120, process)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        stop_process(process)
+    with frontend_on(stack, defaults_model, tmp_path_factory.mktemp("trtllm_defaults")) as url:
+        yield url
 
 
 def generate(stack: Stack, model: str, **options: Any) -> tuple[list[int], list[float] | None, list[str]]:
