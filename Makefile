@@ -1,4 +1,4 @@
-# make engine | serve | rollout | rollback | test | bench | bench-pa | bench-frontend   (see README.md)
+# make engine | serve | rollout | rollback | test | bench | bench-pa | bench-frontend | bench-overhead   (see README.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +16,7 @@ NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-version
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)
 
-.PHONY: install engine serve rollout rollback test soak bench bench-pa bench-frontend clean lint
+.PHONY: install engine serve rollout rollback test soak bench bench-pa bench-frontend bench-overhead clean lint
 
 # A venv with every role's pinned dependencies; rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -70,6 +70,19 @@ bench-frontend: install
 	$(PY) -m build_engine --if-missing --preset tiny --output-dir $(BUILD)/bench-frontend
 	$(PY) -m benchmarks.frontend_bench --model-repository $(BUILD)/bench-frontend/model_repository \
 		--work-dir $(BUILD)/bench-frontend $(QUICK_FLAG)
+
+# The overhead-bound stack (benchmarks/README.md, "Overhead-bound stack"): the real stack on the tiny engine, 32
+# streaming chats of 64 tokens, tok/s and CPU µs per output token of each process, medians of ROUNDS rounds.
+# BASELINE=<another checkout> (e.g. a `git worktree`) runs that checkout's stack too, interleaved (its own tiny build
+# in <checkout>/build/bench-overhead). Rebuilt every time: the rendered repository holds a copy of model.py.
+ROUNDS ?= 3
+BASELINE ?=
+bench-overhead: install
+	$(PY) -m build_engine --preset tiny --output-dir $(BUILD)/bench-overhead
+	$(if $(BASELINE),cd $(BASELINE) && PYTHONPATH=$(abspath $(BASELINE)) $(abspath $(PY)) -m build_engine --if-missing \
+		--preset tiny --output-dir $(abspath $(BASELINE))/build/bench-overhead)
+	$(PY) -m benchmarks.overhead_bench --model-repository $(BUILD)/bench-overhead/model_repository \
+		--work-dir $(BUILD)/bench-overhead --rounds $(ROUNDS) $(if $(BASELINE),--stack baseline=$(abspath $(BASELINE)))
 
 # perf_analyzer 2.51 (installed into $(BUILD)/perf_analyzer, not the venv) streaming gRPC sweep.
 bench-pa: install

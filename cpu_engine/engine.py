@@ -29,6 +29,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+import numba
 import torch
 
 from cpu_engine.config import EngineConfig
@@ -38,6 +39,9 @@ from cpu_engine.scheduler import EngineStats, GenerationRequest, RequestError, S
 log = logging.getLogger(__name__)
 
 MIN_STATS_SPACING_S = 0.02
+# cpu_num_threads 0: a model whose full-batch decode step takes less than this on one thread runs on one
+# (choose_threads): `tiny` ~2.2 ms, `small` ~45 ms on this 2-core machine.
+PARALLEL_MIN_STEP_S = 0.010
 
 
 class EngineFailedError(RequestError):
@@ -49,9 +53,35 @@ class QueueFullError(RequestError):
 
 
 def configure_threads(num_threads: int) -> int:
+    """The calling thread's PyTorch ops and numba kernels (paged decode attention) run on `num_threads` threads
+    (0: every core this process may run on). numba keeps an OpenMP team of its own (a second libgomp): left at
+    its default it used every core whatever `num_threads` said."""
     threads = num_threads if num_threads > 0 else len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     return threads
+
+
+def choose_threads(scheduler: Scheduler, cores: int) -> tuple[int, str]:
+    """With cpu_num_threads 0: one thread for a model whose plain full-batch decode step takes less than
+    PARALLEL_MIN_STEP_S on one thread, else `cores` (configure_threads, on the calling thread). Returns the
+    threads and why.
+
+    A parallel team pays for big ops only. Each of a step's parallel regions (oneDNN's projections, the numba
+    attention kernel, which keeps a second OpenMP team) wakes the team's threads, which then spin
+    (GOMP_SPINCOUNT, set by the launcher) until the next region or well past the step: on a model whose ops
+    take microseconds they spin through the whole step, and on a small box that is a core taken from the
+    frontend and Triton. Measured on 2 cores, `tiny` preset (a full-batch step ~2.2 ms on one thread, ~2.0
+    on two), 32 streams of 64 tokens through the whole stack: 1,485 tok/s on one thread against 462 on two,
+    the stub's CPU 511 µs per token against 1,755 (benchmarks/README.md, "Overhead-bound stack"). The
+    `small` preset's step takes ~45 ms on one thread and ~37 on two: it keeps every core.
+    """
+    configure_threads(1)
+    step_s = scheduler.plain_step_s()
+    if step_s < PARALLEL_MIN_STEP_S:
+        return 1, (f"a full-batch decode step takes {step_s * 1000:.1f} ms on one thread, under "
+                   f"{PARALLEL_MIN_STEP_S * 1000:.0f} ms: too small for a parallel team to pay")
+    return configure_threads(cores), f"a full-batch decode step takes {step_s * 1000:.0f} ms on one thread"
 
 
 class Engine:
@@ -92,6 +122,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="cpu-engine", daemon=True)
         self._built = threading.Event()
         self._build_error: BaseException | None = None
+        self.threads = 0  # the threads the loop thread's parallel ops run on (from_config; 0: not set here)
+        self.thread_choice = ""  # why, when the engine chose them (cpu_num_threads 0)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: object) -> "Engine":
@@ -99,19 +131,24 @@ class Engine:
         the loop thread when `start()` is called; start() returns when that is done."""
 
         def build() -> Scheduler:
-            configure_threads(config.num_threads)
+            engine.threads = configure_threads(config.num_threads)
             scheduler = Scheduler(LlamaRunner(config), config.max_num_tokens, config.prefill_step_ratio,
                                   enable_prefix_reuse=config.enable_prefix_reuse)
+            if config.num_threads <= 0 and engine.threads > 1:
+                engine.threads, engine.thread_choice = choose_threads(scheduler, engine.threads)
             scheduler.calibrate()
             return scheduler
 
-        return cls(build, **kwargs)
+        engine = cls(build, **kwargs)
+        return engine
 
     def describe(self) -> str:
         """What calibration measured, for the server log."""
-        steps = ", ".join(f"{n}: {s * 1000:.0f} ms"
+        steps = ", ".join(f"{n}: {s * 1000:.1f} ms"
                           for n, s in sorted(self.scheduler.prefill_budget.costs.decode_step_s.items()))
-        return f"CPU engine: {torch.get_num_threads()} threads; plain decode step by batch size {{{steps}}}"
+        choice = f" ({self.thread_choice})" if self.thread_choice else ""
+        threads = self.threads or torch.get_num_threads()
+        return f"CPU engine: {threads} threads{choice}; plain decode step by batch size {{{steps}}}"
 
     @property
     def alive(self) -> bool:

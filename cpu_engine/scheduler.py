@@ -37,6 +37,7 @@ import enum
 import itertools
 import logging
 import random
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -282,13 +283,9 @@ class Scheduler:
         Runs before any request, on blocks no sequence holds: what it writes there is never read (a
         sequence reads only positions it wrote or blocks the prefix cache registered).
         """
-        if self.running or self.waiting:
-            raise RuntimeError("calibrate() runs on an idle engine only")
-        context = min(context, self.runner.max_seq_len - 1)
+        context, tables = self._calibration_tables(context)
         max_batch = self.runner.max_batch_size
         sizes = sorted({min(n, max_batch) for n in (1, 2, 4, 8, 16, 32, max_batch)})
-        per_row = -(-(context + 1) // self.runner.block_size)
-        tables = [[(row * per_row + i) % self.runner.num_blocks for i in range(per_row)] for row in range(max_batch)]
         mixed = sizes[-1] // 2  # a half-full batch decoding while the last row reads a chunk
         chunk = Chunk(tables[sizes[-1] - 1], start=0, length=min(context, self.max_num_tokens))
         for _ in range(repeats):
@@ -296,6 +293,28 @@ class Scheduler:
                 self._timed_forward([1] * n, tables[:n], [context] * n, [])
             if mixed:
                 self._timed_forward([1] * (mixed + chunk.length), tables[:mixed], [context] * mixed, [chunk])
+
+    def _calibration_tables(self, context: int) -> tuple[int, list[list[int]]]:
+        """The context and one block table per batch row that calibration steps decode at (blocks no sequence
+        holds: calibration runs on an idle engine only)."""
+        if self.running or self.waiting:
+            raise RuntimeError("calibrate() runs on an idle engine only")
+        context = min(context, self.runner.max_seq_len - 1)
+        per_row = -(-(context + 1) // self.runner.block_size)
+        return context, [[(row * per_row + i) % self.runner.num_blocks for i in range(per_row)]
+                         for row in range(self.runner.max_batch_size)]
+
+    def plain_step_s(self, context: int = 64, repeats: int = 3) -> float:
+        """The median time of a plain decode step of a full batch (after one step not timed), not learned by
+        the prefill budget: how the engine tells a model too small for more than one thread (Engine)."""
+        context, tables = self._calibration_tables(context)
+        batch = len(tables)
+        times = []
+        for _ in range(repeats + 1):
+            started = self._clock()
+            self.runner.forward([1] * batch, tables, [context] * batch, [], list(range(batch)))
+            times.append(self._clock() - started)
+        return statistics.median(times[1:])
 
     def _timed_forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
                        chunks: list[Chunk], logits_rows: list[int] | None = None) -> torch.Tensor:

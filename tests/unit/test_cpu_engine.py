@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -587,3 +591,76 @@ def test_from_config_loads_and_calibrates_on_the_engine_thread(checkpoint: Path,
     with pytest.raises(RuntimeError, match="the CPU engine failed to start"):
         broken.start()  # no checkpoint there: the model fails to load, with the reason
     assert not broken.alive
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs at least two cores to choose from")
+@pytest.mark.parametrize("min_step_s, parallel", [(1e9, False), (0.0, True)])
+def test_auto_threads_keep_a_model_too_small_for_a_team_on_one_thread(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch, min_step_s: float, parallel: bool) -> None:
+    """cpu_num_threads 0: a model whose full-batch step is shorter than PARALLEL_MIN_STEP_S on one thread runs
+    every step on one thread, PyTorch and numba (the attention kernel's own OpenMP team) alike."""
+    import numba
+
+    import cpu_engine.engine as engine_module
+
+    seen = []
+
+    class RecordingRunner(LlamaRunner):
+        def forward(self, *args, **kwargs):
+            seen.append((torch.get_num_threads(), numba.get_num_threads()))
+            return super().forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "LlamaRunner", RecordingRunner)
+    monkeypatch.setattr(engine_module, "PARALLEL_MIN_STEP_S", min_step_s)
+    cores = len(os.sched_getaffinity(0))
+    engine = Engine.from_config(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64),
+                                cancelled=lambda requests: [False] * len(requests))
+    engine.start()
+    try:
+        sink = request("a", prompt_of(3), 2)
+        engine.submit(sink)
+        assert sink.sink.done.wait(60) and sink.sink.error is None
+        expected = (cores, min(cores, numba.config.NUMBA_NUM_THREADS)) if parallel else (1, 1)
+        assert seen[0] == (1, 1)  # the step that decides runs on one thread
+        assert set(seen[4:]) == {expected}  # calibration and the request's steps
+        assert ("too small" in engine.thread_choice) != parallel
+        assert f"{expected[0]} threads" in engine.describe()
+    finally:
+        engine.stop()
+
+
+def test_channel_polls_in_parts_and_answers_in_request_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TritonChannel (model_repository/tensorrt_llm/1/model.py) makes a poll's round trips in a few parts of
+    POLL_CHUNK requests or more, each on one thread, and answers in the order of the requests."""
+    pb_utils = types.ModuleType("triton_python_backend_utils")
+    pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb_utils)
+    path = Path(__file__).resolve().parents[2] / "model_repository" / "tensorrt_llm" / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location("cpu_engine_glue_poll_under_test", path)
+    glue = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(glue)
+
+    threads: dict[int, str] = {}
+
+    class Sender:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def is_cancelled(self) -> bool:
+            threads[self.index] = threading.current_thread().name
+            return self.index % 3 == 0
+
+    channel = glue.TritonChannel()
+    try:
+        for count in (1, 2 * channel.POLL_CHUNK - 1, 5 * channel.POLL_CHUNK + 7):
+            threads.clear()
+            polled = [types.SimpleNamespace(sink=types.SimpleNamespace(sender=Sender(i))) for i in range(count)]
+            assert channel.cancelled(polled) == [i % 3 == 0 for i in range(count)]
+            names = set(threads.values())
+            if count < 2 * channel.POLL_CHUNK:  # one part: on the calling thread (the engine's poll helper)
+                assert names == {threading.current_thread().name}
+            else:
+                assert threading.current_thread().name not in names
+                assert len(names) <= count // channel.POLL_CHUNK
+    finally:
+        channel.close()

@@ -120,11 +120,22 @@ class TritonChannel:
     process, not computing). Before handing over a step's responses it waits for the previous step's, so
     one request's responses go out in order, from one thread at a time, and at most one step's
     responses are in flight; `wait()` (and `close()`) wait for them.
+
+    A thread makes several round trips in a row: a step's senders (a poll's requests) are split into at most
+    `threads` parts of at least SEND_CHUNK senders (POLL_CHUNK requests), since every part handed to a thread
+    costs the stub a future, a wake-up and GIL hand-overs beside the engine thread, more than a round trip.
+    A poll of fewer than 2 x POLL_CHUNK requests runs on the calling thread (the engine's poll helper, beside
+    the step). On 2 cores, `tiny` preset, 32 streams (benchmarks/README.md, "Overhead-bound stack"), one
+    future per sender and per polled request cost the stub ~25 µs more per output token (432 against 457,
+    medians of 8 interleaved rounds).
     """
 
     THREADS = 8
+    SEND_CHUNK = 4
+    POLL_CHUNK = 32
 
     def __init__(self, threads: int = THREADS):
+        self._threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-channel") if threads > 1 else None
         self._queued: dict[int, tuple[object, list[tuple[object, int]]]] = {}
         self._in_flight: list[Future] = []
@@ -136,20 +147,22 @@ class TritonChannel:
         self.wait()
         queued, self._queued = list(self._queued.values()), {}
         if self._pool is None:
-            _log_send_errors([_deliver(sender, responses) for sender, responses in queued])
+            _log_send_errors(_deliver_all(queued))
         else:
-            self._in_flight = [self._pool.submit(_deliver, sender, responses) for sender, responses in queued]
+            self._in_flight = [self._pool.submit(_deliver_all, part)
+                               for part in _parts(queued, self.SEND_CHUNK, self._threads)]
 
     def wait(self) -> None:
         """Until the responses handed over by the last `flush()` are delivered."""
         in_flight, self._in_flight = self._in_flight, []
-        _log_send_errors([future.result() for future in in_flight])
+        _log_send_errors([error for future in in_flight for error in future.result()])
 
     def cancelled(self, requests: list[GenerationRequest]) -> list[bool]:
         """Whether Triton has cancelled each request (client gone): one round trip each, made together."""
-        if self._pool is None or len(requests) == 1:
-            return [request.sink.sender.is_cancelled() for request in requests]
-        return list(self._pool.map(lambda request: request.sink.sender.is_cancelled(), requests))
+        parts = _parts(requests, self.POLL_CHUNK, self._threads)
+        if self._pool is None or len(parts) == 1:
+            return _poll(requests)
+        return [cancelled for part in self._pool.map(_poll, parts) for cancelled in part]
 
     def close(self) -> None:
         self.flush()
@@ -162,6 +175,21 @@ def _log_send_errors(errors: list[Exception | None]) -> None:
     for error in errors:
         if error is not None:  # e.g. the client went away meanwhile; the others go on
             pb_utils.Logger.log_warn(f"sending a response failed: {error}")
+
+
+def _parts(items: list, at_least: int, most: int) -> list[list]:
+    """`items` in order, split into at most `most` parts of at least `at_least` items (one part when fewer)."""
+    count = max(1, min(most, len(items) // max(at_least, 1)))
+    size = -(-len(items) // count) if items else 1
+    return [items[i:i + size] for i in range(0, len(items), size)] or [[]]
+
+
+def _poll(requests: list[GenerationRequest]) -> list[bool]:
+    return [request.sink.sender.is_cancelled() for request in requests]
+
+
+def _deliver_all(queued: list[tuple[object, list[tuple[object, int]]]]) -> list[Exception | None]:
+    return [_deliver(sender, responses) for sender, responses in queued]
 
 
 def _deliver(sender, responses: list[tuple[object, int]]) -> Exception | None:
