@@ -334,11 +334,12 @@ class TritonEngine:
         await self._client.close()
 
     async def is_ready(self, model: str | None = None, version: str = "") -> bool:
-        """Triton and one engine model (version "": the one Triton picks by its version policy) ready."""
+        """One engine model ready in Triton (version "": the one Triton picks by its version policy). Not
+        Triton's server readiness: under its strict readiness (the default) a model someone else unloaded
+        (another model's rollout, a test's model) makes the whole server "not ready" for good."""
         try:
-            return bool(await self._client.is_server_ready(client_timeout=self._timeout)
-                        and await self._client.is_model_ready(model or self.engine_model, version,
-                                                              client_timeout=self._timeout))
+            return bool(await self._client.is_model_ready(model or self.engine_model, version,
+                                                          client_timeout=self._timeout))
         except Exception:
             return False
 
