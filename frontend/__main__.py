@@ -7,28 +7,20 @@ is readable by every local user (`ps`, /proc/<pid>/cmdline) and lands in shell h
 SIGTERM (or a first Ctrl+C) drains: new requests get 503 and /health/ready turns 503 while the listener
 stays open, requests in flight get `shutdown_grace_s` to finish, the rest are cancelled (streams end with
 an error event and [DONE]), then uvicorn stops. A second signal stops at once. SIGHUP reloads API_KEYS_FILE.
+
+FRONTEND_WORKERS=N (N > 1) runs N worker processes on the one port, each the server above, under a supervisor
+(frontend/supervisor.py) that shares the limits and rollouts among them, passes signals on and
+restarts a worker that dies.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import ssl
 import sys
-from collections.abc import Callable, Sequence
-from types import FrameType
-from typing import Any
+from collections.abc import Sequence
 
-import uvicorn
-
-from frontend.observability import access_log
-from frontend.http.app import create_app
-from frontend.http.middleware import Edge
+from frontend import server, supervisor
 from frontend.settings import Settings
 
-log = logging.getLogger("frontend")
-
-MINIMUM_TLS = ssl.TLSVersion.TLSv1_2
 SECRET_FLAGS = ("--api-keys", "--api_keys", "--admin-api-keys", "--admin_api_keys")  # settings that must never be given on a command line
 
 
@@ -43,73 +35,13 @@ def refuse_secret_flags(argv: Sequence[str]) -> None:
             sys.exit(2)
 
 
-def tls_context(config: uvicorn.Config, default_factory: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
-    """uvicorn's own context (certificate, key, `ssl_ciphers`, ALPN) with TLS 1.2 as the floor.
-
-    uvicorn has no minimum-version setting. PROTOCOL_TLS_SERVER already starts at TLS 1.2 on Python 3.10+,
-    but only by default: OpenSSL's system configuration (MinProtocol) or another Python build can lower it,
-    so the floor is set here explicitly, and only ever raised.
-    """
-    context = default_factory()
-    if context.minimum_version < MINIMUM_TLS:  # also TLSVersion.MINIMUM_SUPPORTED (-2)
-        context.minimum_version = MINIMUM_TLS
-    return context
-
-
-def build_config(app: Callable[..., Any], settings: Settings) -> uvicorn.Config:
-    """The uvicorn configuration from the settings (separate from main() so that tests can serve with it)."""
-    tls = settings.ssl_certfile is not None
-    return uvicorn.Config(
-        app, host=settings.frontend_host, port=settings.frontend_port,
-        # libuv's event loop and the C HTTP parser (the frontend extra pins both): every streamed token
-        # is a gRPC read, an SSE write and a few event-loop turns, and on a small CPU box they compete with
-        # the engine's forward pass for the cores.
-        loop="uvloop", http="httptools",
-        log_level=settings.log_level, timeout_graceful_shutdown=10,
-        access_log=not settings.access_log,  # ours is one JSON line per request
-        limit_concurrency=settings.limit_concurrency,  # past it uvicorn answers 503 before the app sees it
-        # uvicorn's annotation says int, but the value only goes to loop.call_later: fractions work.
-        timeout_keep_alive=settings.timeout_keep_alive_s,  # type: ignore[arg-type]
-        ssl_certfile=str(settings.ssl_certfile) if tls else None,
-        ssl_keyfile=str(settings.ssl_keyfile) if settings.ssl_keyfile else None,
-        ssl_version=ssl.PROTOCOL_TLS_SERVER,  # negotiates the highest version both sides have
-        ssl_ciphers=settings.ssl_ciphers,
-        ssl_context_factory=tls_context if tls else None)
-
-
-class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, edge: Edge, grace_s: float):
-        super().__init__(config)
-        self._edge = edge
-        self._grace_s = grace_s
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: object | None = None
-
-    async def serve(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain_task is not None or self._loop is None or not self.started:
-            super().handle_exit(sig, frame)  # second signal (or not serving yet): uvicorn's own handling
-            return
-        self._captured_signals.append(sig)  # uvicorn re-raises it after shutdown, as it would have
-        self._drain_task = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)  # type: ignore[assignment]
-
-    async def _drain(self) -> None:
-        try:
-            await self._edge.drain(self._grace_s)
-        finally:
-            self.should_exit = True
-
-
 def main() -> None:
     refuse_secret_flags(sys.argv[1:])  # before parsing, so that the refusal is clear and nothing is echoed
     settings = Settings(_cli_parse_args=True)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    access_log.configure(settings.access_log)
-    app = create_app(settings)
-    DrainingServer(build_config(app, settings), app.state.edge, settings.shutdown_grace_s).run()
+    server.configure_logging(settings)
+    if settings.frontend_workers > 1:
+        sys.exit(supervisor.serve(settings, sys.argv[1:]))
+    server.run(settings)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pathlib import Path
 from types import FrameType
 
 from build_engine import model_store
-from launcher.engine_check import check_model_repository, check_named_models
+from launcher.engine_check import check_model_repository, check_named_models, serves_tensorrt_llm
 from launcher.engine_health import EngineHealth, Problem
 from launcher.ports import PortInUseError, check_ports_free
 from launcher.supervise import RestartBudgetExceeded, Supervisor
@@ -205,6 +205,19 @@ def settle_models(repository: Path) -> None:
 
 
 # ----- frontend -----------------------------------------------------------------------------------------
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_frontend_workers(model_repository: Path) -> int:
+    """FRONTEND_WORKERS when unset: one per core up to 8 in front of a TensorRT-LLM engine (the GPU makes
+    tokens faster than one Python process relays them); 1 in front of the CPU engine, which needs the cores
+    for its forward pass far more than the frontend needs them to relay what it makes (README, "Frontend
+    workers")."""
+    if not serves_tensorrt_llm(model_repository):
+        return 1
+    return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0))))
+
+
 def start_frontend(cfg: Config) -> subprocess.Popen[bytes]:
     """Own process group (we decide when it stops); output inherited so its log shows on the console."""
     env = {
@@ -216,7 +229,12 @@ def start_frontend(cfg: Config) -> subprocess.Popen[bytes]:
         "TRITON_METRICS_URL": f"http://127.0.0.1:{cfg.metrics_port}/metrics",
         "TRITON_CONTROL_KEY_FILE": str(cfg.control_key_file.resolve()),
         "ENGINE_MODEL": cfg.engine_model,
+        # Stored /v1/responses: in the work dir, unless the environment names a database.
+        "RESPONSES_DB_URL": os.environ.get("RESPONSES_DB_URL")
+        or f"sqlite:///{(cfg.work_dir / 'responses.sqlite3').resolve()}",
     }
+    if not os.environ.get("FRONTEND_WORKERS"):
+        env["FRONTEND_WORKERS"] = str(default_frontend_workers(cfg.model_repository))
     if cfg.named_models:
         env["MODEL_REPOSITORY"] = str(cfg.model_repository.resolve())
         if not (os.environ.get("ADMIN_API_KEYS") or os.environ.get("ADMIN_API_KEYS_FILE")):

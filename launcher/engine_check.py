@@ -116,6 +116,20 @@ def check_model_repository(model_repository: Path, installed_version: str | None
     return check_trtllm_engine(Path(model_path.group(1)), installed_version)
 
 
+def serves_tensorrt_llm(model_repository: Path) -> bool:
+    """Whether the repository's engine model (or any named model) runs the TensorRT-LLM backend."""
+    configs = [Path(model_repository) / ENGINE_MODEL / "config.pbtxt",
+               *(model.config_path for model in model_store.managed_models(Path(model_repository)))]
+    for config in configs:
+        try:
+            backend = _BACKEND.search(config.read_text())
+        except OSError:
+            continue
+        if backend is not None and backend.group(1) == "tensorrtllm":
+            return True
+    return False
+
+
 def check_named_models(repository: Path, installed_version: str | None = None) -> list[str]:
     """The version check per version for a repository of named models (build_engine/model_store.py).
 

@@ -15,10 +15,11 @@ from frontend.http import admin
 from frontend.openai.errors import OpenAIError, install_error_handlers
 from frontend.http.middleware import Edge, EdgeMiddleware
 from frontend.models.registry import ModelRegistry
-from frontend.models.rollout import Rollouts
+from frontend.models.rollout import SOLO, FleetMember, Rollouts
 from frontend.http.routes import router
 from frontend.settings import Settings
 from frontend.generation.triton_engine import TritonEngine
+from frontend.workers.shared import CoordinatorLink, SharedFleet, SharedLimits
 
 log = logging.getLogger("frontend")
 
@@ -37,8 +38,11 @@ def warn_if_open(settings: Settings, edge: Edge) -> None:
                 "Set API_KEYS or API_KEYS_FILE to require `Authorization: Bearer <key>`. !!!", exposure)
 
 
-def create_app(settings: Settings) -> FastAPI:
-    edge = Edge(settings)
+def create_app(settings: Settings, coordinator: str | None = None) -> FastAPI:
+    """The app of one process; `coordinator`: the supervisor's socket when this process is one of several
+    workers (frontend/workers/): the limits and rollouts are then the whole server's."""
+    link = CoordinatorLink(coordinator) if coordinator else None
+    edge = Edge(settings, SharedLimits(link, settings.max_in_flight, settings.rate_limit_tpm) if link else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -47,7 +51,10 @@ def create_app(settings: Settings) -> FastAPI:
                               stall_probe_s=settings.engine_stall_probe_s)
         app.state.settings = settings
         app.state.models = ModelRegistry(settings, engine)
-        app.state.rollouts = Rollouts(app.state.models, engine, settings.rollout_grace_s)
+        if link is not None:  # from here on, other workers' rollouts reach this registry
+            await link.connect(FleetMember(app.state.models).run)
+        app.state.rollouts = Rollouts(app.state.models, engine, settings.rollout_grace_s,
+                                      SharedFleet(link) if link else SOLO)
         warn_if_open(settings, edge)
         loop = asyncio.get_running_loop()
         hup = False
@@ -65,6 +72,8 @@ def create_app(settings: Settings) -> FastAPI:
         if hup:
             loop.remove_signal_handler(signal.SIGHUP)
         await engine.close()
+        if link is not None:
+            await link.close()
 
     app = FastAPI(title="tritonllm OpenAI frontend", lifespan=lifespan)
     app.state.settings = settings

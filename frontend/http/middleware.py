@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.observability import access_log
 from frontend.http.admin import ADMIN_PREFIX
-from frontend.policy.admission import AdmissionGate, RateLimiter, TokenDemand
+from frontend.policy.admission import AdmissionGate, Limits, LocalLimits, RateLimiter, TokenDemand
 from frontend.policy.auth import ANONYMOUS, KeyStore, bearer_token
 from frontend.policy.deadlines import Deadline, Deadlines
 from frontend.openai.errors import OpenAIError, invalid_api_key, invalid_request, payload_too_large, service_unavailable
@@ -80,6 +80,7 @@ class RequestContext:
     method: str
     started: float  # time.monotonic() at arrival
     key_id: str = ANONYMOUS
+    owner: str = ""  # the key's stable owner id (policy/auth.py owner_of) for what it stores; "" without keys
     deadline: Deadline | None = None
     queue_s: float | None = None
     status: int | None = None
@@ -98,9 +99,9 @@ class RequestContext:
         return self.usage.completion_tokens if self.usage is not None else 0
 
     # Shorthands for the request's budget, which owns what these take and gives it back after the last byte.
-    def reserve_tokens(self, demand: TokenDemand, prompt_param: str) -> None:
+    async def reserve_tokens(self, demand: TokenDemand, prompt_param: str) -> None:
         if self.budget is not None:
-            self.budget.reserve_tokens(demand, prompt_param)
+            await self.budget.reserve_tokens(demand, prompt_param)
 
     async def admit(self, engine_requests: int) -> None:
         if self.budget is not None:
@@ -110,36 +111,34 @@ class RequestContext:
 class Edge:
     """The shared state behind the middleware: keys, limits, gate, metrics, deadlines, draining."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, limits: Limits | None = None):
         self.settings = settings
         self.keys = KeyStore(settings.api_keys, settings.api_keys_file)
         self.admin_keys = KeyStore(settings.admin_api_keys, settings.admin_api_keys_file)
-        self.limiter = RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm)
-        self.gate = AdmissionGate(settings.max_in_flight, settings.max_queued)
+        # The server's admission and rate limits: this process's own, or the supervisor's for all workers.
+        self.limits: Limits = limits or LocalLimits(AdmissionGate(settings.max_in_flight, settings.max_queued),
+                                                    RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm))
         self.metrics = Metrics()
-        self.metrics.in_flight.set_function(lambda: self.gate.in_flight)
-        self.metrics.queued.set_function(lambda: self.gate.queued)
         # Triton's metrics, relayed on GET /metrics (cached; frontend/observability/metrics.py).
         self.triton_metrics = TritonMetrics(settings.triton_metrics_url, settings.triton_timeout_s,
                                             settings.triton_metrics_cache_s)
-        self.metrics.waiting.set_function(lambda: self.gate.queued + self.triton_metrics.engine_waiting)
-        self.deadlines = Deadlines()
+        self.deadlines = Deadlines()  # one per generation request of this process, from arrival to its end
         self.draining = False
 
     async def drain(self, grace_s: float) -> None:
-        """SIGTERM: refuse new work (503), let what runs finish for `grace_s`, then cancel the rest."""
+        """SIGTERM: refuse new work (503), let what runs here finish for `grace_s`, then cancel the rest."""
         self.draining = True
         loop = asyncio.get_running_loop()
-        log.warning("shutting down: refusing new requests; %d in flight, %d queued; grace period %g s",
-                    self.gate.in_flight, self.gate.queued, grace_s)
+        log.warning("shutting down: refusing new requests; %d generation request(s) in progress; grace period %g s",
+                    len(self.deadlines), grace_s)
         until = loop.time() + grace_s
-        while (self.gate.in_flight or self.gate.queued) and loop.time() < until:
+        while self.deadlines and loop.time() < until:
             await asyncio.sleep(0.05)
         cancelled = self.deadlines.abort_all("shutdown")
         if cancelled:
             log.warning("grace period over: cancelling %d request(s)", cancelled)
         until = loop.time() + 5.0  # the cancelled ones send their error event and [DONE]
-        while (self.gate.in_flight or self.gate.queued) and loop.time() < until:
+        while self.deadlines and loop.time() < until:
             await asyncio.sleep(0.05)
 
     def timeout_for(self, headers: dict[str, str]) -> float:
@@ -252,15 +251,15 @@ class EdgeMiddleware:
         # key the API.
         is_admin = path.startswith(ADMIN_PREFIX + "/")
         if edge.keys.enabled and not is_admin and (not is_metrics or settings.metrics_require_key):
-            key_id = edge.keys.verify(bearer_token(headers.get("authorization")))
-            if key_id is None:
+            identity = edge.keys.identify(bearer_token(headers.get("authorization")))
+            if identity is None:
                 missing = bearer_token(headers.get("authorization")) is None
                 raise self._reject(ctx, "unauthorized", invalid_api_key(
                     "You didn't provide an API key. Provide it as 'Authorization: Bearer <key>'." if missing
                     else "Incorrect API key provided."))
-            ctx.key_id = key_id
+            ctx.key_id, ctx.owner = identity
         if is_metrics and scope.get("method") in ("GET", "HEAD"):
-            body = await exposition(edge.metrics, edge.triton_metrics)
+            body = await exposition(edge.metrics, edge.triton_metrics, await edge.limits.occupancy())
             await Response(body, media_type=CONTENT_TYPE_LATEST)(scope, receive, send)
             return
         generation = path in GENERATION_PATHS and scope.get("method") == "POST"

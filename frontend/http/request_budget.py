@@ -25,7 +25,7 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Awaitable, Protocol
 
-from frontend.policy.admission import NeverFits, Rejected, TokenDemand, TokenReservation, tokens_to_charge
+from frontend.policy.admission import NeverFits, Rejected, TokenDemand, TokenReservation, slots_for, tokens_to_charge
 from frontend.openai.errors import OpenAIError, invalid_request, too_many_requests
 from frontend.observability.metrics import TokenTiming
 from frontend.generation.serving import TextDelta
@@ -71,13 +71,13 @@ class RequestBudget:
             raise RuntimeError("this request's budget is already given back")
 
     # ----- the resources -----
-    def check_request_rate(self) -> None:
+    async def check_request_rate(self) -> None:
         """Requests per minute of this key (429 if over). Holds nothing."""
         edge = self.edge
         if edge is None:
             return
         try:
-            edge.limiter.check_request(self.record.key_id)
+            await edge.limits.check_request(self.record.key_id)
         except Rejected as exc:
             edge.metrics.rejected.labels(exc.reason).inc()
             raise too_many_requests(exc.message, exc.retry_after_s, "requests", "rate_limit_exceeded") from None
@@ -88,7 +88,7 @@ class RequestBudget:
         engine.lease()
         self._releases.callback(engine.release)
 
-    def reserve_tokens(self, demand: TokenDemand, prompt_param: str) -> None:
+    async def reserve_tokens(self, demand: TokenDemand, prompt_param: str) -> None:
         """Tokens per minute: reserve what the request may use now (429 while the key's bucket does not hold
         it yet, 400 if it never can), settled at the end with what it was charged (`tokens_to_charge`)."""
         edge = self.edge
@@ -96,7 +96,7 @@ class RequestBudget:
             return
         self._check_open()
         try:
-            reservation = edge.limiter.reserve(self.record.key_id, demand)
+            reservation = await edge.limits.reserve(self.record.key_id, demand)
         except NeverFits as exc:
             edge.metrics.rejected.labels("tokens_per_minute").inc()
             raise invalid_request(exc.message, prompt_param if exc.param == "prompt" else exc.param,
@@ -109,7 +109,7 @@ class RequestBudget:
 
     def _settle(self, edge: "Edge", reservation: TokenReservation) -> None:
         record = self.record
-        edge.limiter.settle(reservation, tokens_to_charge(self.admitted, record.status or 500, record.prompt_tokens,
+        edge.limits.settle(reservation, tokens_to_charge(self.admitted, record.status or 500, record.prompt_tokens,
                                                           record.completion_tokens))
 
     async def admit(self, engine_requests: int) -> None:
@@ -120,16 +120,16 @@ class RequestBudget:
             return
         self._check_open()
         record = self.record
-        slots = edge.gate.slots_for(engine_requests)
-        acquiring = edge.gate.acquire(edge.settings.max_queue_wait_s, slots)
+        acquiring = edge.limits.admit(edge.settings.max_queue_wait_s, slots_for(engine_requests, edge.limits.max_in_flight))
         try:
-            record.queue_s = await (record.deadline.run(acquiring) if record.deadline is not None else acquiring)
+            admitted = await (record.deadline.run(acquiring) if record.deadline is not None else acquiring)
         except Rejected as exc:
             edge.metrics.rejected.labels(exc.reason).inc()
             raise too_many_requests(exc.message, exc.retry_after_s) from None
+        record.queue_s = admitted.waited_s
         admitted_at = time.monotonic()
-        self.admitted_slots, self.admitted = slots, True
-        self._releases.callback(lambda: edge.gate.release(time.monotonic() - admitted_at, slots))
+        self.admitted_slots, self.admitted = admitted.slots, True
+        self._releases.callback(lambda: edge.limits.release(admitted, time.monotonic() - admitted_at))
         edge.metrics.queue_time.labels(record.route).observe(record.queue_s)
 
     # ----- RequestHooks of the serving layer: what they learn goes into the record -----

@@ -89,7 +89,7 @@ async def off_loop(request: Request, work: Callable[..., T], *args: Any) -> T:
 
 async def rate_limited(request: Request) -> None:
     """Requests per minute of the caller's API key (429 past it): on the routes that do work."""
-    request_budget(request).check_request_rate()
+    await request_budget(request).check_request_rate()
 
 
 def check_fits_context(text: str, context: ModelContext, param: str) -> None:
@@ -196,7 +196,7 @@ async def new_generation(request: Request, req: SamplingFields, context: ModelCo
                             sum(len(p) for p in prompts), budget, parsing)
     demand = TokenDemand(generation.usage.prompt_tokens, sum(job.request.options.max_tokens for job in jobs),
                          len(jobs), max_tokens_given=req.requested_max_tokens is not None)
-    budget.reserve_tokens(demand, prompt_param)
+    await budget.reserve_tokens(demand, prompt_param)
     ctx.prompt_tokens, ctx.usage = generation.usage.prompt_tokens, generation.usage
     if request.app.state.settings.log_prompts:
         ctx.prompt_text = [await off_loop(request, context.tokenizer.decode, p) for p in prompts]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from tritonclient.utils import InferenceServerException
 
@@ -59,11 +59,94 @@ def _reason(exc: BaseException) -> str:
     return client_message(exc.message() if isinstance(exc, InferenceServerException) else str(exc))
 
 
+class Fleet(Protocol):
+    """The other frontend workers, as a rollout run by this one reaches them (frontend/workers/shared.py): each
+    call returns once every other worker has done the step. `SOLO` when this process is the only one."""
+
+    async def begin(self, name: str) -> bool: ...  # False: a rollout of `name` runs already, somewhere
+
+    def end(self, name: str) -> None: ...
+
+    async def switch(self, name: str, version: str, retire: str | None, grace_s: float) -> bool: ...
+
+    async def hold(self, name: str, grace_s: float) -> bool: ...
+
+    async def unhold(self, name: str) -> None: ...
+
+
+class _Solo:
+    async def begin(self, name: str) -> bool:
+        return True
+
+    def end(self, name: str) -> None:
+        pass
+
+    async def switch(self, name: str, version: str, retire: str | None, grace_s: float) -> bool:
+        return True
+
+    async def hold(self, name: str, grace_s: float) -> bool:
+        return True
+
+    async def unhold(self, name: str) -> None:
+        pass
+
+
+SOLO: Fleet = _Solo()
+
+
+class FleetMember:
+    """This worker's part in a rollout that another worker runs: the fleet commands, on the local registry."""
+
+    def __init__(self, registry: ModelRegistry):
+        self._registry = registry
+        self._holds: dict[str, tuple[asyncio.Event, asyncio.Task[None]]] = {}
+
+    async def run(self, command: dict[str, Any]) -> dict[str, Any]:
+        op, name = command["op"], command["name"]
+        if op == "switch":
+            return {"drained": await self.switch(name, int(command["version"]), command["retire"], command["grace_s"])}
+        if op == "hold":
+            return {"drained": await self.hold(name, command["grace_s"])}
+        if op == "unhold":
+            await self.unhold(name)
+            return {}
+        raise ValueError(f"unknown fleet command {op!r}")
+
+    async def switch(self, name: str, version: int, retire: str | None, grace_s: float) -> bool:
+        """Route `name`'s new requests to `version`; with `retire`, wait (up to `grace_s`) until no request here
+        holds that version any more."""
+        old = await self._registry.switch(await self._registry.load_version(name, version))
+        if retire is None or old is None or old.engine is None or old.version != retire:
+            return True
+        return await old.engine.drained(grace_s)
+
+    async def hold(self, name: str, grace_s: float) -> bool:
+        """Hold `name`'s new requests (until `unhold`) and wait, up to `grace_s`, for those on its version."""
+        release, entered = asyncio.Event(), asyncio.Event()
+
+        async def holding() -> None:
+            async with self._registry.held(name):
+                entered.set()
+                await release.wait()
+
+        self._holds[name] = (release, asyncio.get_running_loop().create_task(holding()))
+        await entered.wait()
+        current = self._registry.current(name)
+        return await current.engine.drained(grace_s) if current is not None and current.engine is not None else True
+
+    async def unhold(self, name: str) -> None:
+        held = self._holds.pop(name, None)
+        if held is not None:
+            held[0].set()
+            await held[1]
+
+
 class Rollouts:
-    def __init__(self, registry: ModelRegistry, triton: TritonEngine, grace_s: float):
+    def __init__(self, registry: ModelRegistry, triton: TritonEngine, grace_s: float, fleet: Fleet = SOLO):
         self._registry = registry
         self._triton = triton
         self._grace_s = grace_s
+        self._fleet = fleet
         self._busy = registry.rolling  # shared: the registry does not repair a model while it is rolled out
 
     def _model(self, name: str) -> model_store.ManagedModel:
@@ -80,7 +163,7 @@ class Rollouts:
 
     async def rollout(self, name: str, version: int | None = None) -> dict[str, Any]:
         model = self._model(name)
-        if name in self._busy:
+        if name in self._busy or not await self._fleet.begin(name):
             raise _conflict(f"a rollout of model '{name}' is in progress; try again when it is done",
                             "rollout_in_progress")
         self._busy.add(name)
@@ -88,6 +171,7 @@ class Rollouts:
             return await self._rollout(model, version)
         finally:
             self._busy.discard(name)
+            self._fleet.end(name)
 
     async def _rollout(self, model: model_store.ManagedModel, version: int | None) -> dict[str, Any]:
         started = time.monotonic()
@@ -107,6 +191,7 @@ class Rollouts:
                 return self._result(model, live, None, drained=True, started=started, changed=False)
             context = await (self._registry.load_version(name, live) if loaded else self._load_first(model, live))
             await self._registry.switch(context)
+            await self._fleet.switch(name, str(live), None, self._grace_s)
             return self._result(model, live, None, drained=True, started=started, changed=True)
         if await self._triton.parameter(name, "rollout_strategy") == SWAP:
             return await self._swap(model, live, target, started)
@@ -114,12 +199,13 @@ class Rollouts:
         old = await self._registry.switch(context)
         log.info("model %s: new requests go to version %d; waiting up to %.0f s for version %d to drain",
                  name, target, self._grace_s, live)
-        drained = True
-        if old is not None and old.engine is not None:
-            drained = await old.engine.drained(self._grace_s)
-            if not drained:
-                log.warning("model %s: %d request(s) still on version %d after %.0f s; unloading it anyway",
-                            name, old.engine.leases, live, self._grace_s)
+        # Every worker routes its new requests to `target`, then waits for its own requests on `live`.
+        here, elsewhere = await asyncio.gather(self._drained(old), self._fleet.switch(name, str(target), str(live),
+                                                                                      self._grace_s))
+        drained = here and elsewhere
+        if not drained:
+            log.warning("model %s: request(s) still on version %d after %.0f s; unloading it anyway", name, live,
+                        self._grace_s)
         with model.locked():  # beside no build's prune: `live` becomes the rollback target, kept
             model.commit(live=target, previous=live)
             model.set_loaded([target])
@@ -139,36 +225,49 @@ class Rollouts:
                                 f"{model.record(version)['world_size']}): its ranks are separate processes that an "
                                 "in-place rollout cannot reach; roll it out at pod level", "rollout_not_supported")
         async with self._registry.held(name):
-            old = self._registry.current(name)
-            drained = True
-            if old is not None and old.engine is not None:
-                log.info("model %s: holding new requests; waiting up to %.0f s for version %d to drain", name,
-                         self._grace_s, live)
-                drained = await old.engine.drained(self._grace_s)
-                if not drained:
-                    log.warning("model %s: %d request(s) still on version %d after %.0f s; unloading it anyway",
-                                name, old.engine.leases, live, self._grace_s)
-            with model.locked():
-                if target not in model.versions():
-                    raise OpenAIError(404, f"model '{name}' has no version {target} on disk any more",
-                                      "invalid_request_error", "version", "version_not_found")
-                model.set_loaded([target])
-                model.point_live_link(target)
             try:
-                await self._unload(name)
-                await self._triton.load_model(name)
-                if not await self._triton.is_ready(name, str(target)):
-                    raise RuntimeError(f"Triton does not report version {target} ready after loading it")
-                context = await self._registry.load_version(name, target)
-            except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, RuntimeError,
-                    KeyError, ValueError) as exc:
-                reason = _reason(exc)
-                log.error("model %s: version %d failed to load (%s); loading version %d again", name, target,
-                          reason, live)
-                raise _load_failed(name, target, reason, await self._restore(model, live)) from exc
-            await self._registry.switch(context)
-            with model.locked():
-                model.commit(live=target, previous=live)
+                return await self._swap_held(model, live, target, started)
+            finally:
+                await self._fleet.unhold(name)
+
+    async def _drained(self, old: ModelContext | None) -> bool:
+        """Whether every request of this worker on `old` has finished within the grace period."""
+        return old is None or old.engine is None or await old.engine.drained(self._grace_s)
+
+    async def _swap_held(self, model: model_store.ManagedModel, live: int, target: int,
+                         started: float) -> dict[str, Any]:
+        """The swap, with the model's new requests held by every worker."""
+        name = model.name
+        log.info("model %s: holding new requests; waiting up to %.0f s for version %d to drain", name,
+                 self._grace_s, live)
+        here, elsewhere = await asyncio.gather(self._drained(self._registry.current(name)),
+                                               self._fleet.hold(name, self._grace_s))
+        drained = here and elsewhere
+        if not drained:
+            log.warning("model %s: request(s) still on version %d after %.0f s; unloading it anyway", name, live,
+                        self._grace_s)
+        with model.locked():
+            if target not in model.versions():
+                raise OpenAIError(404, f"model '{name}' has no version {target} on disk any more",
+                                  "invalid_request_error", "version", "version_not_found")
+            model.set_loaded([target])
+            model.point_live_link(target)
+        try:
+            await self._unload(name)
+            await self._triton.load_model(name)
+            if not await self._triton.is_ready(name, str(target)):
+                raise RuntimeError(f"Triton does not report version {target} ready after loading it")
+            context = await self._registry.load_version(name, target)
+        except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, RuntimeError,
+                KeyError, ValueError) as exc:
+            reason = _reason(exc)
+            log.error("model %s: version %d failed to load (%s); loading version %d again", name, target,
+                      reason, live)
+            raise _load_failed(name, target, reason, await self._restore(model, live)) from exc
+        await self._registry.switch(context)
+        await self._fleet.switch(name, str(target), None, self._grace_s)  # still held everywhere: nothing to drain
+        with model.locked():
+            model.commit(live=target, previous=live)
         return self._result(model, target, live, drained=drained, started=started, changed=True)
 
     async def _unload(self, name: str) -> None:
@@ -187,6 +286,7 @@ class Rollouts:
             await self._unload(model.name)  # whatever of the failed version did load
             await self._triton.load_model(model.name)
             await self._registry.switch(await self._registry.load_version(model.name, live))
+            await self._fleet.switch(model.name, str(live), None, self._grace_s)
             return live
         except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, KeyError,
                 ValueError) as exc:  # the registry's repair loads it again later; readiness says 503 meanwhile

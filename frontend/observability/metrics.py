@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import os
 import re
 import time
 import urllib.request
-from typing import Callable
+from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
 
 PREFIX = "tritonllm"
@@ -46,17 +49,42 @@ class Metrics:
                               ["route"], buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "time between generated tokens, per "
                              "token, after the first", ["route"], buckets=TOKEN_BUCKETS, registry=r)
-        self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "generation requests holding a slot", registry=r)
-        self.queued = Gauge(f"{PREFIX}_requests_queued", "generation requests waiting for a slot", registry=r)
-        # The endpoint picker's queue signal (deploy/kubernetes/base/endpoint-picker.yaml): its metric spec
-        # names one series, and a request queued here waits as surely as one queued in the engine.
-        self.waiting = Gauge(f"{PREFIX}_requests_waiting", "requests waiting to run: queued here for a slot "
-                             "(requests_queued) plus waiting in the engine (Triton's nv_trt_llm_request_metrics"
-                             "{request_type=waiting} or cpu_engine_requests_waiting, as last fetched; that part "
-                             "is 0 without triton_metrics_url)", registry=r)
+        self.live = LiveGauges()
+        r.register(self.live)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The text exposition. With several worker processes (PROMETHEUS_MULTIPROC_DIR, set by the supervisor
+        before any worker imports prometheus_client), every worker's counters and histograms, summed: any
+        worker answers GET /metrics with the server's totals."""
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(self.live)
+        return generate_latest(registry)
+
+
+class LiveGauges(Collector):
+    """The admission gauges, set just before each scrape from the server's limits (`Limits.occupancy`: this
+    process's gate, or the coordinator's for all workers) and Triton's metrics. Not prometheus Gauges: in
+    multiprocess mode those are stored per process, and these values are the server's, not a worker's."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.queued = 0
+        self.engine_waiting = 0.0
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(f"{PREFIX}_requests_in_flight", "generation requests holding a slot",
+                                value=self.in_flight)
+        yield GaugeMetricFamily(f"{PREFIX}_requests_queued", "generation requests waiting for a slot",
+                                value=self.queued)
+        # The endpoint picker's queue signal (deploy/kubernetes/base/endpoint-picker.yaml): its metric spec
+        # names one series, and a request queued here waits as surely as one queued in the engine.
+        yield GaugeMetricFamily(f"{PREFIX}_requests_waiting", "requests waiting to run: queued here for a slot "
+                                "(requests_queued) plus waiting in the engine (Triton's nv_trt_llm_request_metrics"
+                                "{request_type=waiting} or cpu_engine_requests_waiting, as last fetched; that part "
+                                "is 0 without triton_metrics_url)", value=self.queued + self.engine_waiting)
 
 
 # Triton's gauges of requests waiting in the engine: (family, labels a sample must have), per engine.
@@ -138,10 +166,12 @@ class TritonMetrics:
         return text, engine_waiting(text.decode("utf-8", "replace"))
 
 
-async def exposition(metrics: Metrics, triton: TritonMetrics) -> bytes:
+async def exposition(metrics: Metrics, triton: TritonMetrics, occupancy: tuple[int, int]) -> bytes:
     """GET /metrics: the frontend's metrics, then Triton's. Triton's are fetched (or taken from the cache)
     first: the requests_waiting gauge adds the engine's waiting count read from them."""
     engine = await triton.text()
+    metrics.live.in_flight, metrics.live.queued = occupancy
+    metrics.live.engine_waiting = triton.engine_waiting
     return metrics.render() + engine
 
 

@@ -18,7 +18,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 Clock = Callable[[], float]
 
@@ -228,11 +228,6 @@ class AdmissionGate:
         """A guess at when a slot frees up: the queue ahead drained at the average service time."""
         return min(60.0, max(1.0, self._service_s * (self.queued + 1) / self.max_in_flight))
 
-    def slots_for(self, engine_requests: int) -> int:
-        """The slots a request takes: one per engine request, and never more than the gate has (a request
-        larger than the whole gate runs alone rather than never)."""
-        return max(1, min(engine_requests, self.max_in_flight))
-
     async def acquire(self, timeout_s: float | None, slots: int = 1) -> float:
         """Take `slots` slots (see slots_for), waiting in the queue at most `timeout_s`; returns the seconds
         waited. Raises `Rejected` if the queue is full or the wait timed out."""
@@ -287,3 +282,65 @@ class AdmissionGate:
             self._waiters.popleft()
             self.in_flight += slots
             waiter.set_result(None)
+
+
+# ----- one interface, one process or several ------------------------------------------------------------
+@dataclass(frozen=True)
+class Admitted:
+    """Slots granted to one request: given back with `Limits.release`."""
+
+    slots: int
+    waited_s: float
+    ticket: int = 0  # which grant, where the slots are held in another process (frontend/workers/shared.py)
+
+
+class Limits(Protocol):
+    """The server's admission and rate limits as a request sees them: held in this process (`LocalLimits`),
+    or in the supervisor's coordinator for all the workers (frontend/workers/shared.py `SharedLimits`)."""
+
+    max_in_flight: int
+
+    async def check_request(self, key: str) -> None: ...  # Rejected
+
+    async def reserve(self, key: str, demand: TokenDemand) -> TokenReservation: ...  # Rejected, NeverFits
+
+    def settle(self, reservation: TokenReservation, used: int) -> None: ...
+
+    async def admit(self, timeout_s: float | None, slots: int) -> Admitted: ...  # Rejected
+
+    def release(self, admitted: Admitted, held_s: float) -> None: ...
+
+    async def occupancy(self) -> tuple[int, int]: ...  # (engine requests in flight, requests queued)
+
+
+def slots_for(engine_requests: int, max_in_flight: int) -> int:
+    """The slots a request takes: one per engine request, and never more than the gate has (a request
+    larger than the whole gate runs alone rather than never)."""
+    return max(1, min(engine_requests, max_in_flight))
+
+
+class LocalLimits:
+    """`Limits` of one process: its own gate and rate limiter."""
+
+    def __init__(self, gate: AdmissionGate, limiter: RateLimiter):
+        self.gate = gate
+        self.limiter = limiter
+        self.max_in_flight = gate.max_in_flight
+
+    async def check_request(self, key: str) -> None:
+        self.limiter.check_request(key)
+
+    async def reserve(self, key: str, demand: TokenDemand) -> TokenReservation:
+        return self.limiter.reserve(key, demand)
+
+    def settle(self, reservation: TokenReservation, used: int) -> None:
+        self.limiter.settle(reservation, used)
+
+    async def admit(self, timeout_s: float | None, slots: int) -> Admitted:
+        return Admitted(slots, await self.gate.acquire(timeout_s, slots))
+
+    def release(self, admitted: Admitted, held_s: float) -> None:
+        self.gate.release(held_s, admitted.slots)
+
+    async def occupancy(self) -> tuple[int, int]:
+        return self.gate.in_flight, self.gate.queued

@@ -10,8 +10,10 @@ against every stored digest (no early exit), so the time a check takes depends n
 key matched nor on which key it was. Keys are never logged; requests are attributed to a key by `key_id`:
 the first 12 hex digits (48 bits) of HMAC-SHA256 of the key's digest, keyed by a random salt drawn at
 process start. Salted, because an unsalted hash prefix in a log is a fast offline test of a guessed or
-leaked key; per process, because nobody has to manage it: the id is stable for the life of the process
-(enough to group one key's requests and to key its rate limits) and changes on restart.
+leaked key; per server, because nobody has to manage it: the id is stable for the life of the process (and
+of its sibling workers, which get the supervisor's salt: frontend/supervisor.py), enough to group one key's
+requests and to key its rate limits, and changes on restart. What must outlive a restart (the owner of a
+stored response) is `owner_of`: a digest of the key's digest, never logged.
 The file (one key per line, blank lines and `#` comments ignored) is re-read by `reload()` (on SIGHUP);
 a file that cannot be read keeps the keys loaded before and logs why.
 """
@@ -29,6 +31,24 @@ log = logging.getLogger("frontend.policy.auth")
 ANONYMOUS = "anonymous"
 KEY_ID_HEX_DIGITS = 12  # 48 bits: no two of a few thousand keys share an id, short enough to read in a log
 _KEY_ID_SALT = secrets.token_bytes(32)  # per process: see the module docstring
+
+
+def use_key_id_salt(salt: bytes) -> None:
+    """In a worker: the supervisor's salt, so that a key has one id across the server's workers (the rate
+    limits of the coordinator are keyed by it). Before any KeyStore is made."""
+    global _KEY_ID_SALT
+    _KEY_ID_SALT = salt
+
+
+def key_id_salt() -> bytes:
+    return _KEY_ID_SALT
+
+
+def owner_of(key_digest: bytes) -> str:
+    """Who owns what a key stores (stored responses): the same across workers, replicas and restarts. A hash
+    of the key's digest, so the database holds nothing that authenticates; not logged (unsalted, it would
+    let a guessed key be checked offline against a log)."""
+    return hashlib.sha256(b"tritonllm-owner:" + key_digest).hexdigest()
 
 
 def digest(key: str) -> bytes:
@@ -132,6 +152,11 @@ class KeyStore:
 
     def verify(self, token: str | None) -> str | None:
         """The key id of a valid key, else None. Compares the digest against every stored digest."""
+        found = self.identify(token)
+        return None if found is None else found[0]
+
+    def identify(self, token: str | None) -> tuple[str, str] | None:
+        """(key id, owner) of a valid key (`owner_of`), else None."""
         if token is None:
             return None
         presented = digest(token)
@@ -140,4 +165,4 @@ class KeyStore:
         for stored in ids:
             if hmac.compare_digest(presented, stored):
                 found = stored
-        return None if found is None else ids[found]
+        return None if found is None else (ids[found], owner_of(found))

@@ -1,4 +1,5 @@
-"""Several named models, and a rollout and rollback under live load, through the real launcher.
+"""Several named models, and a rollout and rollback under live load, through the real launcher (with two
+frontend workers: the rollout goes through one of them, and the looping streams reach both).
 
 `make engine NAME=...` builds, `python -m launcher serve` (what `make serve` runs) serves, and
 `make rollout` / `make rollback` switch versions while six streams loop on the model and one on another.
@@ -72,11 +73,12 @@ def scripted_checkpoint(demo_dir: Path, tokenizer_dir: Path, text: str, target: 
 
 
 @contextmanager
-def launched(out: Path) -> Iterator[Served]:
-    """`python -m launcher serve` (what `make serve` runs) on the named models of `out`, on free ports."""
+def launched(out: Path, frontend_workers: int = 1) -> Iterator[Served]:
+    """`python -m launcher serve` (what `make serve` runs) on the named models of `out`, on free ports, with
+    `frontend_workers` frontend processes."""
     ports = {name: str(find_free_port()) for name in
              ("FRONTEND_PORT", "TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT")}
-    env = {**os.environ, **ports}
+    env = {**os.environ, **ports, "FRONTEND_WORKERS": str(frontend_workers)}
     env.pop("ADMIN_API_KEYS", None)
     env.pop("ADMIN_API_KEYS_FILE", None)
     log = out / "launcher.log"
@@ -101,7 +103,7 @@ def build_two_models(stack: Stack, out: Path, checkpoints: Path) -> None:
 def served(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     out = tmp_path_factory.mktemp("named_build")
     build_two_models(stack, out, tmp_path_factory.mktemp("checkpoints"))
-    with launched(out) as served:
+    with launched(out, frontend_workers=2) as served:  # a rollout through one worker reaches the other
         yield served
 
 
@@ -282,7 +284,7 @@ async def test_the_tensorrt_llm_layout_swaps_versions_under_load_through_the_liv
     config = (out / "models" / ASSISTANT / "config.pbtxt").read_text()
     assert f'{out / "models" / ASSISTANT / "live" / "engine"}"' in config and "versions: [ 1 ]" in config
     assert 'key: "rollout_strategy"\n  value: { string_value: "swap" }' in config
-    with launched(out) as served:
+    with launched(out, frontend_workers=2) as served:
         assert (chat(served, ASSISTANT), chat(served, CODER)) == (V1_TEXT, CODER_TEXT)
         result, answers, after, coder, failures = await answers_while(
             served, ["rollout", f"NAME={ASSISTANT}", "VERSION=2"])

@@ -7,12 +7,12 @@ import asyncio
 
 import pytest
 
-from frontend.policy.admission import AdmissionGate, Rejected
+from frontend.policy.admission import AdmissionGate, Rejected, slots_for
 
 
 async def test_a_request_takes_one_slot_per_engine_request() -> None:
     gate = AdmissionGate(max_in_flight=4, max_queued=0)
-    assert await gate.acquire(1, slots=gate.slots_for(3)) == 0 and gate.in_flight == 3
+    assert await gate.acquire(1, slots=slots_for(3, gate.max_in_flight)) == 0 and gate.in_flight == 3
     with pytest.raises(Rejected) as refused:  # 3 + 2 > 4 and no queue
         await gate.acquire(1, slots=2)
     assert refused.value.reason == "queue_full"
@@ -24,9 +24,9 @@ async def test_a_request_takes_one_slot_per_engine_request() -> None:
 
 async def test_a_request_larger_than_the_gate_runs_alone_rather_than_never() -> None:
     gate = AdmissionGate(max_in_flight=4, max_queued=2)
-    assert gate.slots_for(16) == 4 and gate.slots_for(0) == 1
+    assert slots_for(16, 4) == 4 and slots_for(0, 4) == 1
     await gate.acquire(1, slots=1)
-    big = asyncio.create_task(gate.acquire(10, slots=gate.slots_for(16)))
+    big = asyncio.create_task(gate.acquire(10, slots=slots_for(16, gate.max_in_flight)))
     await asyncio.sleep(0)
     assert gate.queued == 1 and not big.done()
     gate.release(slots=1)

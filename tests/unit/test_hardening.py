@@ -245,8 +245,8 @@ def tpm_client(tpm: int) -> tuple[TestClient, Edge]:
     async def completions(request: Request) -> dict[str, Any]:
         body = await request.json()
         ctx = request.state.ctx
-        ctx.reserve_tokens(TokenDemand(body["prompt_tokens"], body.get("max_tokens") or 5000, 1,
-                                       max_tokens_given="max_tokens" in body), "prompt")
+        await ctx.reserve_tokens(TokenDemand(body["prompt_tokens"], body.get("max_tokens") or 5000, 1,
+                                             max_tokens_given="max_tokens" in body), "prompt")
         ctx.prompt_tokens = body["prompt_tokens"]
         ctx.usage = UsageCounter(body["prompt_tokens"])
         await ctx.admit(1)
@@ -261,11 +261,11 @@ def tpm_client(tpm: int) -> tuple[TestClient, Edge]:
 
 def test_requests_refused_by_admission_or_the_engine_cost_no_tokens() -> None:
     client, edge = tpm_client(1000)
-    edge.gate.in_flight = 1  # every slot taken and no queue: admission answers queue_full
+    edge.limits.gate.in_flight = 1  # every slot taken and no queue: admission answers queue_full
     for _ in range(5):
         answer = client.post("/v1/completions", json={"prompt_tokens": 300, "max_tokens": 100})
         assert answer.status_code == 429 and answer.json()["error"]["code"] == "overloaded"
-    edge.gate.in_flight = 0
+    edge.limits.gate.in_flight = 0
     for status in (429, 503, 400):
         answer = client.post("/v1/completions", json={"prompt_tokens": 300, "max_tokens": 100,
                                                       "engine_status": status})

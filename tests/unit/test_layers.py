@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 FRONTEND = Path(__file__).resolve().parents[2] / "frontend"
-# Top first. `frontend/__main__.py` and the settings module sit where their imports put them.
-LAYERS = ["__main__", "http", "planning", "models", "settings", "generation", "parsing", "text",
+# Top first. `frontend/__main__.py`, the process modules (supervisor, server) and the settings module sit where
+# their imports put them.
+LAYERS = ["__main__", "supervisor", "server", "http", "workers", "planning", "models", "settings", "generation", "parsing", "text",
           "policy", "observability", "openai"]
 # Beside each other, never importing each other: the same rank.
 RANK = {name: index for index, name in enumerate(LAYERS)}

@@ -317,11 +317,11 @@ async def test_metrics_page_counts_the_frontends_queue_and_the_engines_as_waitin
     from frontend.settings import Settings
 
     edge = Edge(Settings(triton_metrics_url=triton.url, triton_metrics_cache_s=5, max_in_flight=1))
-    await edge.gate.acquire(5, 1)
-    waiters = [asyncio.create_task(edge.gate.acquire(5, 1)) for _ in range(2)]
+    await edge.limits.gate.acquire(5, 1)
+    waiters = [asyncio.create_task(edge.limits.gate.acquire(5, 1)) for _ in range(2)]
     await asyncio.sleep(0.01)
     try:
-        text = (await exposition(edge.metrics, edge.triton_metrics)).decode()
+        text = (await exposition(edge.metrics, edge.triton_metrics, await edge.limits.occupancy())).decode()
     finally:
         for waiter in waiters:
             waiter.cancel()

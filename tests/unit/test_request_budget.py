@@ -58,7 +58,7 @@ class Spies:
         self.edge = self.app.state.edge
         self.slot_releases: list[int] = []
         self.settlements: list[Any] = []
-        gate, limiter = self.edge.gate, self.edge.limiter
+        gate, limiter = self.edge.limits.gate, self.edge.limits.limiter
         real_release, real_settle = gate.release, limiter.settle
 
         def release(held_s: float | None = None, slots: int = 1) -> None:
@@ -109,7 +109,7 @@ class Spies:
 
     def assert_each_given_back_once(self) -> None:
         assert (self.engine.leases, self.engine.releases) == (1, 1)
-        assert self.slot_releases == [1] and self.edge.gate.in_flight == 0
+        assert self.slot_releases == [1] and self.edge.limits.gate.in_flight == 0
         assert len(self.settlements) == 1 and self.settlements[0].settled
 
 
@@ -147,8 +147,8 @@ async def test_a_request_past_its_deadline_gives_back_each_resource_once(stream:
 
 async def test_a_request_refused_by_admission_holds_nothing_afterwards() -> None:
     spies = Spies(CountingEngine(tokens_of("hello")))
-    spies.edge.gate.in_flight = spies.edge.gate.max_in_flight
-    spies.edge.gate.max_queued = 0
+    spies.edge.limits.gate.in_flight = spies.edge.limits.gate.max_in_flight
+    spies.edge.limits.gate.max_queued = 0
     status, _ = await spies.post({})
     assert status == 429
     assert (spies.engine.leases, spies.engine.releases) == (1, 1)

@@ -21,7 +21,8 @@ import yaml
 from pydantic import ValidationError
 
 from frontend.policy import auth
-from frontend.__main__ import MINIMUM_TLS, build_config, refuse_secret_flags, tls_context
+from frontend.__main__ import refuse_secret_flags
+from frontend.server import MINIMUM_TLS, build_config, tls_context
 from frontend.policy.auth import HashedKeys, KeyStore
 from frontend.settings import MOZILLA_INTERMEDIATE_CIPHERS, Settings
 from tests.tls import self_signed_certificate
