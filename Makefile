@@ -65,11 +65,11 @@ bench: install
 
 # The frontend's CPU per streamed token, against an engine that costs nothing (benchmarks/README.md, "Frontend
 # benchmark"): concurrency 1, 16, 64, 256; results in benchmarks/results/<date>[-quick]/frontend/ (or BENCH_OUT=<dir>).
-# QUICK=1: 64-token answers, >= 4k tokens per level (about a minute).
+# QUICK=1: 64-token answers, >= 4k tokens per level (about a minute). FRONTEND_WORKERS=N: the frontend with N workers.
 bench-frontend: install
 	$(PY) -m build_engine --if-missing --preset tiny --output-dir $(BUILD)/bench-frontend
 	$(PY) -m benchmarks.frontend_bench --model-repository $(BUILD)/bench-frontend/model_repository \
-		--work-dir $(BUILD)/bench-frontend $(QUICK_FLAG)
+		--work-dir $(BUILD)/bench-frontend $(QUICK_FLAG) $(if $(FRONTEND_WORKERS),--frontend-workers $(FRONTEND_WORKERS))
 
 # The overhead-bound stack (benchmarks/README.md, "Overhead-bound stack"): the real stack on the tiny engine, 32
 # streaming chats of 64 tokens, tok/s and CPU µs per output token of each process, medians of ROUNDS rounds.

@@ -111,6 +111,16 @@ def process_args(pid: int) -> list[str]:
         return []
 
 
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of a process (VmRSS), None once it has gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+    return int(match.group(1)) / 1024 if match else None
+
+
 def triton_pid(grpc_url: str) -> int:
     """The tritonserver serving gRPC on `grpc_url`'s port (found by its command line)."""
     flag = f"--grpc-port={grpc_url.rsplit(':', 1)[1]}"
@@ -279,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results-dir", type=Path,
                         default=Path(os.environ["BENCH_OUT"]) if os.environ.get("BENCH_OUT") else None,
                         help="default: $BENCH_OUT, else benchmarks/results/<date>[-quick]/frontend")
+    parser.add_argument("--frontend-workers", type=int, default=1,
+                        help="FRONTEND_WORKERS of the frontend under test (default 1)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
 
@@ -312,11 +324,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"triton ready at {endpoints.grpc_url} ({time.monotonic() - t0:.0f} s)", flush=True)
         # MAX_IN_FLIGHT: every stream of the highest level runs at once (the default, 64, would queue the rest).
         base_url, process = stack.enter_context(servers.frontend_process(
-            endpoints.grpc_url, log_dir, env={"ENGINE_MODEL": NULL_MODEL, "MAX_IN_FLIGHT": str(max(concurrencies))}))
+            endpoints.grpc_url, log_dir, env={"ENGINE_MODEL": NULL_MODEL, "MAX_IN_FLIGHT": str(max(concurrencies)),
+                                              "FRONTEND_WORKERS": str(args.frontend_workers)}))
         print(f"frontend ready at {base_url} ({time.monotonic() - t0:.0f} s)", flush=True)
         processes = Processes.resolve(process.pid, triton_pid(endpoints.grpc_url))
         rows, idle = asyncio.run(run_levels(base_url, served, prompts, processes, concurrencies, max_tokens,
                                             tokens_per_level))
+        rss = {pid: rss_mib(pid) for pid in processes.groups["frontend"]}
 
     meta = {
         "title": f"Frontend benchmark, null engine ({workload.name})",
@@ -332,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         "process_groups": GROUPS,
         "processes": processes.groups,
         "idle_cores": idle,
+        "frontend_workers": args.frontend_workers,
+        "frontend_rss_mib": rss,
         "notes": [
             "CPU µs per output token = the process group's user + system CPU time over the level (/proc/<pid>/stat, "
             f"{1e3 / CLK_TCK:.0f} ms ticks) / the level's output tokens (the usage chunks' count). `stack` = frontend "
@@ -342,6 +358,9 @@ def main(argv: list[str] | None = None) -> None:
             "the highest concurrency. Tokens/s depends on the machine's cores, shared with the load generator; "
             "CPU µs per token is the figure to compare across machines.",
             "Idle, before the levels (cores): " + ", ".join(f"{g} {v:.3f}" for g, v in idle.items()) + ".",
+            f"FRONTEND_WORKERS={args.frontend_workers}; resident memory of the frontend's processes after the "
+            "levels (MiB; with workers: the supervisor, its helper processes, then each worker): "
+            + ", ".join(f"{pid} {mib:.0f}" for pid, mib in rss.items() if mib is not None) + ".",
         ],
     }
     sections = ["CPU µs per output token, by process (cores busy = CPU s / wall s of the level, ours = every group "
