@@ -13,7 +13,7 @@ from tritonclient.utils import InferenceServerException
 from build_engine import model_store
 from frontend.openai.errors import OpenAIError
 from frontend.models.registry import ModelContext, ModelRegistry, VersionEngine
-from frontend.models.rollout import Rollouts
+from frontend.models.rollout import FleetMember, Rollouts
 from frontend.settings import Settings
 
 NAME = "assistant"
@@ -423,3 +423,59 @@ async def test_a_tensor_parallel_engine_is_not_swapped_in_place(setup) -> None:
         await Rollouts(registry, triton, grace_s=5).rollout(NAME, 2)  # type: ignore[arg-type]
     assert (raised.value.status, raised.value.code) == (409, "rollout_not_supported")
     assert "pod level" in raised.value.message and triton.loads == []
+
+
+class OtherWorker:
+    """The rollout `Fleet` of a server with one other worker, run in-process: the other worker's registry and
+    its FleetMember (the coordinator's wire is tested in test_workers.py)."""
+
+    def __init__(self, registry: ModelRegistry):
+        self.registry = registry
+        self.member = FleetMember(registry)
+
+    async def begin(self, name: str) -> bool:
+        return True
+
+    def end(self, name: str) -> None:
+        pass
+
+    async def switch(self, name: str, version: str, retire: str | None, grace_s: float) -> bool:
+        return await self.member.switch(name, int(version), retire, grace_s)
+
+    async def hold(self, name: str, grace_s: float) -> bool:
+        return await self.member.hold(name, grace_s)
+
+    async def unhold(self, name: str) -> None:
+        await self.member.unhold(name)
+
+
+async def test_a_rollout_waits_for_the_other_workers_requests_on_the_old_version(setup, tmp_path: Path) -> None:
+    model, triton, registry = setup
+    other = OtherWorker(FakeRegistry(Settings(model_repository=tmp_path / "models"), triton))  # type: ignore[arg-type]
+    theirs = await other.registry.get(NAME)
+    theirs.engine.lease()  # a stream on the other worker, on version 1
+    task = asyncio.create_task(Rollouts(registry, triton, grace_s=60, fleet=other).rollout(NAME, 2))  # type: ignore[arg-type]
+    while (await other.registry.get(NAME)).version != "2":  # the other worker's new requests go to 2 ...
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.05)
+    assert len(triton.loads) == 1 and model.loaded_versions() == [1, 2]  # ... and 1 stays until its stream ends
+    theirs.engine.release()
+    assert (await task)["drained"] is True
+    assert triton.loads[-1] == ([2], 2) and (await registry.get(NAME)).version == "2"
+
+
+async def test_a_swap_holds_the_other_workers_new_requests_until_the_new_version_serves(setup, tmp_path: Path) -> None:
+    model, triton, registry = setup
+    triton.strategy = "swap"
+    other = OtherWorker(FakeRegistry(Settings(model_repository=tmp_path / "models"), triton))  # type: ignore[arg-type]
+    await other.registry.get(NAME)
+    triton.gate = asyncio.Event()  # the new version's load waits
+    task = asyncio.create_task(Rollouts(registry, triton, grace_s=60, fleet=other).rollout(NAME, 2))  # type: ignore[arg-type]
+    while not triton.loads or triton.loads[-1][0] != [2]:
+        await asyncio.sleep(0)
+    arriving = asyncio.create_task(other.registry.get(NAME))  # a request reaching the other worker mid-swap
+    await asyncio.sleep(0.05)
+    assert not arriving.done()  # held, not failed, and not sent to the unloaded version
+    triton.gate.set()
+    assert (await arriving).version == "2"
+    assert (await task)["live_version"] == 2 and triton.most_loaded == 1
