@@ -126,6 +126,16 @@ class Settings(BaseSettings):
                                                               "event in a stream); X-Request-Timeout may lower it")
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may finish "
                                                             "before they are cancelled")
+    # Stored responses (/v1/responses with store, previous_response_id, background; frontend/responses/)
+    responses_db_url: str = Field(
+        "sqlite:///build/responses.sqlite3",
+        description="database of stored responses: sqlite:///path (one file, shared by this machine's workers; "
+                    "default: build/responses.sqlite3 under the working directory, `make serve` puts it in its "
+                    "work dir) or postgresql://user:pass@host/db (shared by replicas)")
+    responses_ttl_days: float = Field(30.0, gt=0, description="stored responses expire this many days after "
+                                                              "their creation (purged hourly)")
+    responses_max_bytes: int = Field(4 * 1024 * 1024, ge=1, description="largest stored response (response, "
+                                     "input items and stream events as JSON); a larger one is not stored")
     # TLS
     ssl_certfile: Path | None = Field(None, description="PEM certificate: serve HTTPS (with ssl_keyfile)")
     ssl_keyfile: Path | None = Field(None, description="PEM private key of ssl_certfile")

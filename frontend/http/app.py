@@ -11,10 +11,11 @@ from typing import AsyncIterator
 import anyio
 from fastapi import FastAPI
 
-from frontend.http import admin
+from frontend.http import admin, responses_routes
 from frontend.openai.errors import OpenAIError, install_error_handlers
 from frontend.http.middleware import Edge, EdgeMiddleware
 from frontend.models.registry import ModelRegistry
+from frontend.responses.service import ResponsesService
 from frontend.models.rollout import SOLO, FleetMember, Rollouts
 from frontend.http.routes import router
 from frontend.settings import Settings
@@ -68,7 +69,9 @@ def create_app(settings: Settings, coordinator: str | None = None) -> FastAPI:
             await app.state.models.all()
         except OpenAIError as exc:  # Triton not up yet: serve 503s and retry on each request
             log.warning("model not loaded yet (%s); will retry on the next request", exc.message)
-        yield
+        # Stored responses: the store opened, expired ones purged, background responses run, until shutdown.
+        async with ResponsesService.running(settings) as app.state.responses:
+            yield
         if hup:
             loop.remove_signal_handler(signal.SIGHUP)
         await engine.close()
@@ -83,6 +86,7 @@ def create_app(settings: Settings, coordinator: str | None = None) -> FastAPI:
     app.state.edge = edge
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(responses_routes.router)
     app.include_router(admin.router)
     app.add_middleware(EdgeMiddleware, edge=edge)
     return app

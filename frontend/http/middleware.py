@@ -42,7 +42,7 @@ from frontend.settings import Settings
 
 log = logging.getLogger("frontend")
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 HEALTH_PATHS = ("/health/live", "/health/ready")
 KNOWN_ROUTES = GENERATION_PATHS + HEALTH_PATHS + ("/v1/models", "/tokenize", "/detokenize", "/metrics")
 TIMEOUT_HEADER = "x-request-timeout"
@@ -64,6 +64,9 @@ def route_label(path: str) -> str:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{model_id}"
+    if path.startswith("/v1/responses/"):  # a stored response, its input items, its cancel
+        tail = path.rsplit("/", 1)[-1]
+        return "/v1/responses/{response_id}" + (f"/{tail}" if tail in ("input_items", "cancel") else "")
     if path.startswith(ADMIN_PREFIX + "/"):
         return ADMIN_PREFIX
     return "unmatched"

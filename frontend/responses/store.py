@@ -1,0 +1,483 @@
+"""Stored responses of `/v1/responses`: one async data layer over SQLite or PostgreSQL.
+
+What is stored: for each response with `store: true`, the response object as last returned, this turn's
+input items, its output items (the next turn's `previous_response_id` rebuilds the conversation from them)
+and, when kept, the stream's events (so a background response's stream can be resumed). The database is
+the source of truth shared by every worker process and replica: status, cancellation and deletion are
+rows and columns, never process memory, so a cancel that reaches worker A stops the generation running in
+worker B (B polls `cancel_requested`).
+
+Backends. SQLite (one file, the embedded default) runs in WAL mode with a busy timeout, so that several
+worker processes on one machine can share the file: readers never block, writers queue for the lock
+instead of failing. PostgreSQL is for several replicas (or many workers). Both go through SQLAlchemy's
+async engine (aiosqlite, asyncpg), with SQL that both dialects accept: one code path, tested against both.
+
+Isolation. Every row has an owner (the caller's API key identity; "" when the server has no keys). Every
+read, delete and cancel filters on it inside the SQL statement, so another owner's id behaves exactly as a
+missing id: None or False, never content, never a different error. The owner string must be stable across
+processes and restarts (a per-process salted key id would orphan every stored response on restart).
+
+Retention. A response is visible while `created_at > now - ttl`: expiry takes effect at once in every
+query, and `purge_expired()` (which the app calls periodically) reclaims the rows. A stored response may
+not exceed `max_bytes` of JSON (response + input items + events, UTF-8): over it, `ResponseTooLarge`.
+
+Migrations: a small versioned schema table (`stored_responses_schema`) and an ordered list of DDL steps in
+this module, applied under a lock at `open()`, rather than Alembic. The schema is three tables owned by
+this one module; Alembic would add a dependency, a migrations directory and an env.py to ship and run
+programmatically, to buy autogeneration and downgrades that three tables do not need. The lock makes
+concurrent opens safe (every worker opens the store at start): `pg_advisory_xact_lock` on PostgreSQL,
+`BEGIN IMMEDIATE` on SQLite; both dialects run DDL inside the transaction, so a step applies wholly or
+not at all. A database migrated by a newer frontend (a higher version than this module knows) is refused
+rather than used with a schema this code does not understand.
+
+No read-modify-write. Every change is one conditional statement (status transitions in SQL `CASE`s, the
+size cap in the `WHERE` clause), so two processes racing on one row cannot lose an update, and SQLite
+never has to upgrade a read lock to a write lock (which fails at once, busy timeout or not). The status
+column is authoritative: `get` writes it into the returned response object, so a cancel needs no rewrite
+of the stored JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from sqlalchemy import (BigInteger, Boolean, Column, Integer, MetaData, Table, Text, and_, case, delete,
+                        event, exists, insert, select, text, update)
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+STATUSES = frozenset({"queued", "in_progress", "completed", "incomplete", "failed", "cancelled"})
+CANCELLABLE = ("queued", "in_progress")  # request_cancel turns these into "cancelled"
+
+# A previous_response_id chain longer than this is refused (ChainTooLong): rebuilding it is one query, but
+# its items all go to the model in one prompt, which no context window holds at this length anyway.
+MAX_CHAIN_LENGTH = 1000
+
+SQLITE_BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another process's write lock before failing
+SCHEMA_LOCK_KEY = 0x7265_7370  # "resp": the PostgreSQL advisory lock held while migrating
+_FOREVER = -(2**62)  # the expiry cutoff when ttl_days is infinite (fits a BIGINT)
+
+
+class ResponseTooLarge(ValueError):
+    """A stored response (response + input items + events, as JSON) would exceed the store's max_bytes."""
+
+
+class ChainTooLong(ValueError):
+    """The previous_response_id chain has more than MAX_CHAIN_LENGTH responses (or loops)."""
+
+
+@dataclass
+class StoredResponse:
+    id: str  # "resp_…"
+    owner: str
+    status: str  # queued | in_progress | completed | incomplete | failed | cancelled
+    response: dict  # the full response object as last returned to the client
+    input_items: list[dict]  # this turn's input items (each with its "id"), in order
+    output_items: list[dict]  # the response's output items (copy of response["output"], kept for the chain)
+    previous_response_id: str | None
+    created_at: int  # unix seconds
+    events: list[dict] | None = None  # the stream's events in order (each has "sequence_number"), when stored
+    cancel_requested: bool = False
+
+
+# The latest schema, for building statements; MIGRATIONS below is what creates and evolves it.
+_metadata = MetaData()
+responses_table = Table(
+    "stored_responses", _metadata,
+    Column("id", Text, primary_key=True),
+    Column("owner", Text, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("previous_response_id", Text),
+    Column("created_at", BigInteger, nullable=False),
+    Column("cancel_requested", Boolean, nullable=False),
+    Column("response", Text, nullable=False),
+    Column("output_items", Text, nullable=False),
+    Column("events", Text),
+    # Sizes in bytes of the JSON above, so that `update` checks the cap without reading the row:
+    Column("input_bytes", BigInteger, nullable=False),
+    Column("response_bytes", BigInteger, nullable=False),
+    Column("events_bytes", BigInteger, nullable=False),
+)
+input_items_table = Table(
+    "stored_response_input_items", _metadata,
+    Column("response_id", Text, primary_key=True),
+    Column("seq", Integer, primary_key=True),  # the item's place in the turn's input, from 0
+    Column("item_id", Text),
+    Column("item", Text, nullable=False),
+)
+
+# Each step takes the schema from version i to i + 1. Append; never edit a step that has shipped.
+MIGRATIONS: list[list[str]] = [
+    [
+        """CREATE TABLE stored_responses (
+            id TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,
+            status TEXT NOT NULL,
+            previous_response_id TEXT,
+            created_at BIGINT NOT NULL,
+            cancel_requested BOOLEAN NOT NULL DEFAULT FALSE,
+            response TEXT NOT NULL,
+            output_items TEXT NOT NULL,
+            events TEXT,
+            input_bytes BIGINT NOT NULL,
+            response_bytes BIGINT NOT NULL,
+            events_bytes BIGINT NOT NULL
+        )""",
+        "CREATE INDEX stored_responses_created_at ON stored_responses (created_at)",
+        """CREATE TABLE stored_response_input_items (
+            response_id TEXT NOT NULL REFERENCES stored_responses (id) ON DELETE CASCADE,
+            seq INTEGER NOT NULL,
+            item_id TEXT,
+            item TEXT NOT NULL,
+            PRIMARY KEY (response_id, seq)
+        )""",
+        "CREATE INDEX stored_response_input_items_item_id ON stored_response_input_items (response_id, item_id)",
+    ],
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+# Every item of a chain in one statement (one snapshot, one round trip): the responses from `id` back
+# through previous_response_id, each with its depth (0 = `id`), bounded by :max_depth; then, oldest first,
+# each one's input items (part 0, in order) and its output items (part 1, one JSON array).
+_CHAIN_SQL = text("""
+WITH RECURSIVE chain (id, prev, depth, output_items) AS (
+    SELECT id, previous_response_id, 0, output_items FROM stored_responses
+     WHERE id = :id AND owner = :owner AND created_at > :cutoff
+    UNION ALL
+    SELECT r.id, r.previous_response_id, c.depth + 1, r.output_items
+      FROM stored_responses r JOIN chain c ON r.id = c.prev
+     WHERE r.owner = :owner AND r.created_at > :cutoff AND c.depth < :max_depth
+)
+SELECT depth, 1 AS part, 0 AS seq, prev, output_items AS body FROM chain
+UNION ALL
+SELECT c.depth, 0 AS part, i.seq, NULL AS prev, i.item AS body
+  FROM chain c JOIN stored_response_input_items i ON i.response_id = c.id
+ORDER BY depth DESC, part, seq
+""")
+
+
+def normalize_url(url: str) -> URL:
+    """The async-driver URL for a configured one: sqlite[+aiosqlite]:///path, postgres[ql][+asyncpg]://…"""
+    parsed = make_url(url)
+    backend, _, driver = parsed.drivername.partition("+")
+    if backend == "sqlite" and driver in ("", "aiosqlite"):
+        if not parsed.database or parsed.database == ":memory:" or parsed.database.startswith("file:"):
+            raise ValueError("the responses store needs a SQLite file path (sqlite:///path/to/file.db), "
+                             "shared by every worker; an in-memory database is not")
+        return parsed.set(drivername="sqlite+aiosqlite")
+    if backend in ("postgresql", "postgres") and driver in ("", "asyncpg"):
+        return parsed.set(drivername="postgresql+asyncpg")
+    raise ValueError(f"unsupported responses database URL scheme {parsed.drivername!r}: use "
+                     "sqlite:///path, sqlite+aiosqlite:///path, postgresql://… or postgresql+asyncpg://…")
+
+
+def _dumps(value: Any) -> tuple[str, int]:
+    """Compact JSON and its size in UTF-8 bytes (the size the cap counts).
+
+    Non-ASCII text is kept as is (not \\u-escaped, which would count CJK text six times over), unless the
+    value holds lone surrogates (valid in a JSON escape, not in UTF-8): then escaped, which stores them.
+    """
+    try:
+        dumped = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        return dumped, len(dumped.encode("utf-8"))
+    except UnicodeEncodeError:
+        dumped = json.dumps(value, separators=(",", ":"))
+        return dumped, len(dumped)
+
+
+class ResponseStore:
+    """The stored responses of one database; one instance per process, safe to share between tasks."""
+
+    def __init__(self, engine: AsyncEngine, *, ttl_days: float, max_bytes: int,
+                 clock: Callable[[], float], max_chain_length: int) -> None:
+        self._engine = engine
+        self.ttl_seconds = ttl_days * 86400.0
+        self.max_bytes = max_bytes
+        self.max_chain_length = max_chain_length
+        self._clock = clock
+
+    @classmethod
+    async def open(cls, url: str, *, ttl_days: float = 30.0, max_bytes: int = 4 * 1024 * 1024,
+                   clock: Callable[[], float] = time.time,
+                   max_chain_length: int = MAX_CHAIN_LENGTH) -> "ResponseStore":
+        """Connect and create or migrate the schema. `ttl_days` may be math.inf (keep until deleted);
+        `clock` (unix seconds) is for tests."""
+        if not ttl_days > 0:
+            raise ValueError(f"ttl_days must be positive (math.inf keeps responses until deleted), got {ttl_days}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if max_chain_length < 1:
+            raise ValueError(f"max_chain_length must be positive, got {max_chain_length}")
+        async_url = normalize_url(url)
+        if async_url.get_backend_name() == "sqlite":
+            Path(async_url.database).parent.mkdir(parents=True, exist_ok=True)
+            engine = create_async_engine(async_url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+            event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
+        else:
+            # pre_ping: a connection the server (or a failover) dropped while pooled is replaced, not used.
+            engine = create_async_engine(async_url, pool_pre_ping=True)
+        store = cls(engine, ttl_days=ttl_days, max_bytes=max_bytes, clock=clock,
+                    max_chain_length=max_chain_length)
+        try:
+            await store._migrate()
+        except BaseException:
+            await engine.dispose()
+            raise
+        return store
+
+    async def close(self) -> None:
+        await self._engine.dispose()
+
+    async def _migrate(self) -> None:
+        """Apply the steps past the database's version, one transaction under a lock (see the docstring)."""
+        async with self._engine.connect() as conn:
+            sqlite = self._engine.dialect.name == "sqlite"
+            if sqlite:
+                # The driver's own transaction handling would start a deferred transaction (no lock until
+                # the first write); take the write lock up front instead, so two opens cannot interleave.
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                await conn.exec_driver_sql("BEGIN IMMEDIATE")
+            else:
+                await conn.begin()
+                await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+            try:
+                await self._apply_migrations(conn)
+            except BaseException:
+                await (conn.exec_driver_sql("ROLLBACK") if sqlite else conn.rollback())
+                raise
+            await (conn.exec_driver_sql("COMMIT") if sqlite else conn.commit())
+
+    async def _apply_migrations(self, conn: AsyncConnection) -> None:
+        await conn.execute(text("CREATE TABLE IF NOT EXISTS stored_responses_schema (version INTEGER NOT NULL)"))
+        version = (await conn.execute(text("SELECT version FROM stored_responses_schema"))).scalar()
+        if version is None:
+            version = 0
+            await conn.execute(text("INSERT INTO stored_responses_schema (version) VALUES (0)"))
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(f"the responses database has schema version {version}, newer than this "
+                               f"frontend's {SCHEMA_VERSION}: it was migrated by a newer release")
+        for step in MIGRATIONS[version:]:
+            for statement in step:
+                await conn.execute(text(statement))
+        if version < SCHEMA_VERSION:
+            await conn.execute(text("UPDATE stored_responses_schema SET version = :version"),
+                               {"version": SCHEMA_VERSION})
+
+    # ----- visibility -----
+
+    def _cutoff(self) -> int:
+        """Rows with created_at at or below this have expired (created_at is whole seconds)."""
+        if math.isinf(self.ttl_seconds):
+            return _FOREVER
+        return math.floor(self._clock() - self.ttl_seconds)
+
+    def _visible(self, owner: str, response_id: str) -> Any:
+        """The WHERE clause of every owner-scoped statement: this id, this owner, not expired."""
+        t = responses_table
+        return and_(t.c.id == response_id, t.c.owner == owner, t.c.created_at > self._cutoff())
+
+    # ----- writes -----
+
+    async def create(self, record: StoredResponse) -> None:
+        """Store a new response. ValueError for an id already stored, ResponseTooLarge over the cap."""
+        _check_status(record.status)
+        response_json, response_bytes = _dumps(record.response)
+        output_json, _ = _dumps(record.output_items)
+        items = [_dumps(item) for item in record.input_items]
+        input_bytes = sum(size for _, size in items)
+        events_json, events_bytes = _dumps(record.events) if record.events is not None else (None, 0)
+        self._check_size(record.id, input_bytes + response_bytes + events_bytes)
+        try:
+            async with self._engine.begin() as conn:
+                await conn.execute(insert(responses_table).values(
+                    id=record.id, owner=record.owner, status=record.status,
+                    previous_response_id=record.previous_response_id, created_at=int(record.created_at),
+                    cancel_requested=record.cancel_requested, response=response_json,
+                    output_items=output_json, events=events_json, input_bytes=input_bytes,
+                    response_bytes=response_bytes, events_bytes=events_bytes))
+                if items:
+                    await conn.execute(insert(input_items_table), [
+                        {"response_id": record.id, "seq": seq, "item_id": _item_id(item), "item": dumped}
+                        for seq, (item, (dumped, _)) in enumerate(zip(record.input_items, items))])
+        except IntegrityError as exc:
+            raise ValueError(f"response {record.id} is already stored") from exc
+
+    async def update(self, owner: str, response_id: str, *, status: str, response: dict,
+                     output_items: list[dict], events: list[dict] | None = None) -> bool:
+        """Replace the response, its output items and (unless None) its events; False if it is not visible.
+
+        Never un-cancels: once cancelled, the status stays "cancelled" whatever `status` says (the content
+        is still replaced, so the partial output at the cancel is kept). ResponseTooLarge over the cap.
+        """
+        _check_status(status)
+        t = responses_table
+        response_json, response_bytes = _dumps(response)
+        output_json, _ = _dumps(output_items)
+        values: dict[str, Any] = {
+            "status": case((t.c.status == "cancelled", "cancelled"), else_=status),
+            "response": response_json, "response_bytes": response_bytes, "output_items": output_json}
+        if events is None:
+            new_size = t.c.input_bytes + t.c.events_bytes + response_bytes
+        else:
+            values["events"], values["events_bytes"] = _dumps(events)
+            new_size = t.c.input_bytes + values["events_bytes"] + response_bytes
+        visible = self._visible(owner, response_id)
+        async with self._engine.begin() as conn:
+            result = await conn.execute(update(t).where(visible, new_size <= self.max_bytes).values(**values))
+            if result.rowcount:
+                return True
+            # Not updated: over the cap, or not visible (the size is only read for the caller's own row).
+            size = (await conn.execute(select(new_size).where(visible))).scalar()
+        if size is None:
+            return False
+        self._check_size(response_id, size)
+        return False  # unreachable unless the row changed in between; then it is as if it were gone
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        """Delete the response and its input items; False if it is not visible."""
+        async with self._engine.begin() as conn:
+            deleted = await conn.execute(delete(responses_table).where(self._visible(owner, response_id)))
+            if not deleted.rowcount:
+                return False
+            await conn.execute(delete(input_items_table).where(input_items_table.c.response_id == response_id))
+        return True
+
+    async def request_cancel(self, owner: str, response_id: str) -> StoredResponse | None:
+        """Mark the response cancel-requested; a queued or in_progress one becomes "cancelled" at once.
+
+        The process generating it (any process) sees `cancel_requested` and stops; its later `update`
+        cannot undo the cancel. Returns the record after the change, None if it is not visible.
+        """
+        t = responses_table
+        async with self._engine.begin() as conn:
+            result = await conn.execute(update(t).where(self._visible(owner, response_id)).values(
+                cancel_requested=True,
+                status=case((t.c.status.in_(CANCELLABLE), "cancelled"), else_=t.c.status)))
+        if not result.rowcount:
+            return None
+        return await self.get(owner, response_id)
+
+    async def purge_expired(self) -> int:
+        """Delete every expired response and its input items; returns how many responses went."""
+        cutoff = self._cutoff()
+        t = responses_table
+        async with self._engine.begin() as conn:
+            await conn.execute(delete(input_items_table).where(
+                input_items_table.c.response_id.in_(select(t.c.id).where(t.c.created_at <= cutoff))))
+            result = await conn.execute(delete(t).where(t.c.created_at <= cutoff))
+        return result.rowcount
+
+    # ----- reads -----
+
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
+        t = responses_table
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(select(t).where(self._visible(owner, response_id)))).first()
+            if row is None:
+                return None
+            items = (await conn.execute(
+                select(input_items_table.c.item).where(input_items_table.c.response_id == response_id)
+                .order_by(input_items_table.c.seq))).scalars().all()
+        response = json.loads(row.response)
+        response["status"] = row.status  # the column is authoritative (a cancel does not rewrite the JSON)
+        return StoredResponse(
+            id=row.id, owner=row.owner, status=row.status, response=response,
+            input_items=[json.loads(item) for item in items], output_items=json.loads(row.output_items),
+            previous_response_id=row.previous_response_id, created_at=row.created_at,
+            events=json.loads(row.events) if row.events is not None else None,
+            cancel_requested=bool(row.cancel_requested))
+
+    async def input_items(self, owner: str, response_id: str, *, after: str | None = None, limit: int = 20,
+                          order: str = "desc") -> tuple[list[dict], bool] | None:
+        """One page of the response's input items and whether more follow; None if it is not visible.
+
+        OpenAI's list semantics: `order` "desc" lists the last item first, "asc" the first; `after` is an
+        item id, and the page starts just past it in that order (an id not among the items gives an empty
+        page). `limit` is 1..100; the API layer validates it, a bad value here is a ValueError.
+        """
+        if order not in ("asc", "desc"):
+            raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
+        if not 1 <= limit <= 100:
+            raise ValueError(f"limit must be between 1 and 100, got {limit}")
+        items = input_items_table
+        of_response = items.c.response_id == response_id
+        async with self._engine.connect() as conn:
+            if not (await conn.execute(select(exists().where(self._visible(owner, response_id))))).scalar():
+                return None
+            query = select(items.c.item).where(of_response)
+            if after is not None:
+                start = (await conn.execute(select(items.c.seq).where(of_response, items.c.item_id == after)
+                                            .order_by(items.c.seq).limit(1))).scalar()
+                if start is None:
+                    return [], False
+                query = query.where(items.c.seq > start if order == "asc" else items.c.seq < start)
+            query = query.order_by(items.c.seq.asc() if order == "asc" else items.c.seq.desc()).limit(limit + 1)
+            page = (await conn.execute(query)).scalars().all()
+        return [json.loads(item) for item in page[:limit]], len(page) > limit
+
+    async def cancel_requested(self, response_id: str) -> bool:
+        """Whether the process generating this response should stop: a cancel was requested, or the
+        response is gone (deleted or purged: nobody can read what it would store). Not owner-scoped: the
+        caller is the generating process, which already holds the id."""
+        t = responses_table
+        async with self._engine.connect() as conn:
+            flag = (await conn.execute(select(t.c.cancel_requested).where(t.c.id == response_id))).scalar()
+        return flag is None or bool(flag)
+
+    async def conversation(self, owner: str, response_id: str) -> list[dict] | None:
+        """Every item of the chain ending at response_id, oldest first: for each response (following
+        previous_response_id), its input items then its output items. None if it or any ancestor is not
+        visible (another owner's, deleted, expired); ChainTooLong past max_chain_length responses."""
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(_CHAIN_SQL, {
+                "id": response_id, "owner": owner, "cutoff": self._cutoff(),
+                "max_depth": self.max_chain_length})).all()
+        chain = [row for row in rows if row.part == 1]  # one per response, oldest (deepest) first
+        if not chain:
+            return None
+        if chain[0].depth >= self.max_chain_length:
+            raise ChainTooLong(f"the previous_response_id chain of {response_id} is longer than "
+                               f"{self.max_chain_length} responses")
+        if chain[0].prev is not None:
+            return None  # the oldest response found has an ancestor that is not visible
+        conversation: list[dict] = []
+        for row in rows:
+            if row.part == 0:
+                conversation.append(json.loads(row.body))
+            else:
+                conversation.extend(json.loads(row.body))
+        return conversation
+
+    def _check_size(self, response_id: str, size: int) -> None:
+        if size > self.max_bytes:
+            raise ResponseTooLarge(f"response {response_id} would store {size} bytes of JSON (response, input "
+                                   f"items and events), over the {self.max_bytes}-byte cap per stored response")
+
+
+def _check_status(status: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"unknown response status {status!r}; one of {sorted(STATUSES)}")
+
+
+def _item_id(item: dict) -> str | None:
+    item_id = item.get("id")
+    return item_id if isinstance(item_id, str) else None
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    """Each new SQLite connection: wait for locks instead of failing, WAL so readers never block the
+    writer (and the file can be shared by processes), cascading foreign keys (off by default)."""
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")  # durable at each checkpoint; safe in WAL mode
+        cursor.execute("PRAGMA foreign_keys = ON")
+    finally:
+        cursor.close()

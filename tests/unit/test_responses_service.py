@@ -1,0 +1,201 @@
+"""The Responses service over a real store (a SQLite file) and a scripted generation: a foreground run is
+stored before its terminal event; background runs go queued -> in_progress -> completed, and a cancel
+through the store (as from another worker) stops one and keeps what it had; the stream of a stored
+response replays and follows; another owner gets 404s; the previous response's items come back first."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import anyio
+import pytest
+
+from frontend.generation.serving import TextDelta, UsageCounter
+from frontend.openai.errors import OpenAIError
+from frontend.responses.request import ResponsesRequest
+from frontend.responses.run import ResponseRun
+from frontend.responses.service import ResponsesService
+from frontend.responses.store import ResponseStore
+
+class ScriptedGeneration:
+    """The serving layer's Generation as the run uses it: deltas, then (optionally) a wait that only a
+    cancel ends, or a failure."""
+
+    def __init__(self, deltas: list[TextDelta], hold: bool = False, fail: OpenAIError | None = None):
+        self.usage = UsageCounter(prompt_tokens=5)
+        self.deltas, self.hold, self.fail = deltas, hold, fail
+        self.started = anyio.Event()
+
+    async def run(self, on_delta: Callable[[int, TextDelta], Awaitable[None]]) -> None:
+        self.started.set()
+        for delta in self.deltas:
+            self.usage.completion_tokens += 1
+            await on_delta(0, delta)
+        if self.hold:
+            await anyio.sleep_forever()
+        if self.fail is not None:
+            raise self.fail
+
+
+@contextlib.asynccontextmanager
+async def opened(tmp_path: Path) -> AsyncIterator[ResponsesService]:
+    """The service over a fresh store, its background runs in a task group of the test's own task."""
+    store = await ResponseStore.open(f"sqlite:///{tmp_path / 'r.sqlite3'}")
+    try:
+        async with anyio.create_task_group() as group:
+            yield ResponsesService(store, group, poll_s=0.01)
+            group.cancel_scope.cancel()
+    finally:
+        await store.close()
+
+
+async def new_run(service: ResponsesService, owner: str = "alice", **fields: Any) -> tuple[ResponseRun, Any]:
+    req = ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})
+    prepared, chat, messages = await service.prepare(req, owner)
+    return service.run(prepared, "m", None), messages
+
+
+async def test_a_foreground_run_is_stored_before_its_terminal_event(tmp_path: Path) -> None:
+    async with opened(tmp_path) as service:
+        run, _ = await new_run(service, stream=True)
+        run.begin()
+        seen_at_terminal: list[Any] = []
+
+        async def flush() -> None:
+            if run.events[-1]["type"] == "response.completed":
+                seen_at_terminal.append(await service.store.get("alice", run.id))
+
+        final = await run.execute(ScriptedGeneration([TextDelta("Hel", None), TextDelta("lo", "stop")]), flush,
+                                  lambda: service.save_final(run))
+        assert final["status"] == "completed" and final["usage"]["output_tokens"] == 2
+        assert seen_at_terminal == [] or seen_at_terminal[0] is not None
+        stored = await service.store.get("alice", run.id)
+        assert stored.response == final and stored.events == run.events
+        assert [e["sequence_number"] for e in stored.events] == list(range(len(stored.events)))
+        assert stored.input_items[0]["content"] == [{"type": "input_text", "text": "hi"}]
+
+
+async def test_a_failed_foreground_run_is_stored_as_failed_with_its_error_event(tmp_path: Path) -> None:
+    async with opened(tmp_path) as service:
+        run, _ = await new_run(service, stream=True)
+        run.begin()
+        with pytest.raises(OpenAIError):
+            await run.execute(ScriptedGeneration([TextDelta("Hal", None)], fail=OpenAIError(500, "engine died")),
+                              save=lambda: service.save_final(run))
+        assert [e["type"] for e in run.events[-2:]] == ["error", "response.failed"]
+        stored = await service.store.get("alice", run.id)
+        assert stored.status == "failed" and stored.response["error"]["message"] == "engine died"
+        assert stored.response["output"][0]["status"] == "incomplete"
+
+
+async def wait_status(service: ResponsesService, response_id: str, status: str) -> dict[str, Any]:
+    with anyio.fail_after(10):
+        while (record := await service.store.get("alice", response_id)).status != status:
+            await anyio.sleep(0.01)
+    return record.response
+
+
+async def test_a_background_run_completes_and_gives_back_what_it_held(tmp_path: Path) -> None:
+    async with opened(tmp_path) as service:
+        run, _ = await new_run(service, background=True)
+        released = anyio.Event()
+        generation = ScriptedGeneration([TextDelta("done", "stop")])
+
+        async def start() -> Any:
+            return generation
+
+        await service.start_background(run, start, released.set)
+        assert (await service.store.get("alice", run.id)).status in ("queued", "in_progress", "completed")
+        final = await wait_status(service, run.id, "completed")
+        assert final["output"][0]["content"][0]["text"] == "done" and final["background"] is True
+        with anyio.fail_after(10):
+            await released.wait()
+        assert run.id not in service.runs
+        with pytest.raises(OpenAIError) as refused:
+            await service.cancel("alice", run.id)
+        assert refused.value.status == 400
+
+
+async def test_a_cancel_through_the_store_stops_a_background_run(tmp_path: Path) -> None:
+    async with opened(tmp_path) as service:
+        run, _ = await new_run(service, background=True, stream=True)
+        released = anyio.Event()
+        generation = ScriptedGeneration([TextDelta("partial", None)], hold=True)
+
+        async def start() -> Any:
+            return generation
+
+        await service.start_background(run, start, released.set)
+        await wait_status(service, run.id, "in_progress")
+        cancelled = await service.cancel("alice", run.id)
+        assert cancelled["status"] == "cancelled"
+        with anyio.fail_after(10):
+            await released.wait()  # the run saw the flag, ended and gave back its slot
+        record = await service.store.get("alice", run.id)
+        assert record.status == "cancelled" and record.response["output"][0]["content"][0]["text"] == "partial"
+        assert record.response["usage"]["output_tokens"] == 1
+        assert (await service.cancel("alice", run.id))["status"] == "cancelled"  # idempotent
+
+
+async def test_a_failed_start_fails_the_background_run(tmp_path: Path) -> None:
+    async with opened(tmp_path) as service:
+        run, _ = await new_run(service, background=True)
+        released = anyio.Event()
+
+        async def start() -> Any:
+            raise OpenAIError(429, "busy", "server_error")
+
+        await service.start_background(run, start, released.set)
+        final = await wait_status(service, run.id, "failed")
+        assert final["error"]["message"] == "busy"
+
+
+async def test_a_stored_stream_replays_and_a_running_one_is_followed(tmp_path: Path) -> None:
+    async with opened(tmp_path) as service:
+        run, _ = await new_run(service, background=True, stream=True)
+        generation = ScriptedGeneration([TextDelta("a", None), TextDelta("b", None)], hold=True)
+        gate = anyio.Event()
+
+        async def start() -> Any:
+            await gate.wait()
+            return generation
+
+        released = anyio.Event()
+        await service.start_background(run, start, released.set)
+        followed: list[dict[str, Any]] = []
+
+        async def follow() -> None:
+            async for event in await service.follow("alice", run.id, 0):
+                followed.append(event)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(follow)
+            gate.set()
+            await wait_status(service, run.id, "in_progress")
+            await service.cancel("alice", run.id)
+        assert [e["sequence_number"] for e in followed] == list(range(1, len(run.events)))
+        assert "response.output_text.delta" in [e["type"] for e in followed]
+        with anyio.fail_after(10):
+            await released.wait()  # the run has ended and stored its last events
+        replayed = [e async for e in await service.follow("alice", run.id, 3)]  # from the store
+        assert replayed == (await service.store.get("alice", run.id)).events[4:]
+
+
+async def test_another_owner_gets_404s_and_a_chain_starts_with_the_previous_items(tmp_path: Path) -> None:
+    async with opened(tmp_path) as service:
+        run, _ = await new_run(service, instructions="first instructions")
+        run.begin()
+        await run.execute(ScriptedGeneration([TextDelta("answer", "stop")]), save=lambda: service.save_final(run))
+        for attempt in (service.get("bob", run.id), service.delete("bob", run.id), service.cancel("bob", run.id),
+                        service.input_items("bob", run.id, None, 20, "desc"),
+                        new_run(service, "bob", previous_response_id=run.id)):
+            with pytest.raises(OpenAIError) as refused:
+                await attempt
+            assert refused.value.status == 404
+        _, messages = await new_run(service, previous_response_id=run.id, input="next")
+        # Instructions are not carried over from the previous response.
+        assert [(m["role"], m["content"]) for m in messages] == [("user", "hi"), ("assistant", "answer"),
+                                                                 ("user", "next")]
+        assert (await service.delete("alice", run.id))["deleted"] is True
