@@ -128,9 +128,9 @@ def test_prompt_matching_is_fast() -> None:
     pool.release(table)
     best = float("inf")
     for _ in range(20):
-        start = time.perf_counter()
+        start = time.thread_time()
         matched = pool.match_prefix(block_keys(prompt, 16))
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.thread_time() - start)
         pool.release(matched)
     assert len(matched) == 93
     assert best < 0.005  # about 0.2 ms; generous for a loaded machine
@@ -140,9 +140,9 @@ def test_prompt_matching_is_fast() -> None:
     table, _ = fill(pool, long_prompt)
     best = float("inf")
     for _ in range(3):  # the best of three: one run can lose the CPU to another process on a busy machine
-        start = time.perf_counter()
+        start = time.thread_time()
         matched = pool.match_prefix(block_keys(long_prompt, 2))
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.thread_time() - start)
         assert matched == table
         pool.release(matched)
     assert best < 0.5  # quadratic would be 12.5M block comparisons

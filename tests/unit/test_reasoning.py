@@ -134,9 +134,9 @@ def _one_character_feeds(text: str) -> tuple[float, object]:
     """The best of three timings of feeding `text` one character at a time, and the result."""
     best = float("inf")
     for _ in range(3):
-        started = time.perf_counter()
+        started = time.thread_time()
         got = run(ReasoningParser(), list(text))
-        best = min(best, time.perf_counter() - started)
+        best = min(best, time.thread_time() - started)
     return best, got
 
 

@@ -167,9 +167,9 @@ def test_stop_matching_time_grows_linearly_with_the_text() -> None:
         text = adversarial_text(1000, size)
         times = []
         for _ in range(5):
-            started = time.perf_counter()
+            started = time.thread_time()
             feed_in_pieces(StopStringMatcher([stop]), text, 3)
-            times.append(time.perf_counter() - started)
+            times.append(time.thread_time() - started)
         return min(times)
 
     small, large = best_time(10_000), best_time(40_000)
