@@ -15,8 +15,9 @@ vLLM's `--api-server-count` and trtllm-serve's post-processing workers do. This 
   a minute per worker before it gives up and stops the server.
 
 Workers run in their own session, so that a signal sent to the supervisor's process group (Ctrl+C, the
-launcher) reaches each worker once, through the supervisor, and each asks the kernel to send it SIGTERM if
-the supervisor dies (PR_SET_PDEATHSIG): no worker outlives it.
+launcher) reaches each worker once, through the supervisor, and each asks the kernel to kill it if the
+supervisor dies (PR_SET_PDEATHSIG): no worker outlives it, and none holds the port while whoever restarts
+the server (the launcher's supervision) binds it again. A supervisor that died did not drain either.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with(parent: int) -> None:
-    """In a worker: SIGTERM when the supervisor dies (Linux), and out of its process group (module docstring)."""
+    """In a worker: killed when the supervisor dies (Linux), and out of its process group (module docstring)."""
     os.setsid()
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # it died before prctl took effect
         os._exit(1)
 

@@ -121,7 +121,10 @@ class FleetMember:
         return await old.engine.drained(grace_s)
 
     async def hold(self, name: str, grace_s: float) -> bool:
-        """Hold `name`'s new requests (until `unhold`) and wait, up to `grace_s`, for those on its version."""
+        """Hold `name`'s new requests (until `unhold`) and wait, up to `grace_s`, for those on its version.
+        Until `unhold`, this worker's registry also leaves the model to the rollout: seeing no version of it
+        ready mid-swap, it must not repair it (load rollout.json's version back) under the rollout's feet."""
+        self._registry.rolling.add(name)
         release, entered = asyncio.Event(), asyncio.Event()
 
         async def holding() -> None:
@@ -139,6 +142,7 @@ class FleetMember:
         if held is not None:
             held[0].set()
             await held[1]
+        self._registry.rolling.discard(name)
 
 
 class Rollouts:

@@ -31,8 +31,9 @@ def slow_frontend_process(stack: Stack, tmp_path_factory: pytest.TempPathFactory
     """A frontend on the slow engine with room for 4 engine requests and no queue; bodies must arrive in 1 s."""
     log = tmp_path_factory.mktemp("bounded_work") / "frontend.log"
     port = find_free_port()
+    # One process whatever FRONTEND_WORKERS says: the tests measure its event-loop thread's CPU.
     process = start_frontend(stack.triton_grpc_url, port, log, ENGINE_MODEL=SLOW_MODEL, MAX_IN_FLIGHT="4",
-                             MAX_QUEUED="0", BODY_READ_TIMEOUT_S="1")
+                             MAX_QUEUED="0", BODY_READ_TIMEOUT_S="1", FRONTEND_WORKERS="1")
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health/ready", 120, process)
         yield f"http://127.0.0.1:{port}", process
