@@ -7,11 +7,13 @@ BUILD ?= build
 BACKEND ?= cpu
 MODEL ?=
 PRESET ?=
+# WEIGHTS=int8: the CPU engine's projections in int8 (weight-only, quantized at build time); default float32.
+WEIGHTS ?=
 # NAME: build a new version of a named model into $(BUILD)/models (several models, rollout and rollback).
 NAME ?=
 VERSION ?=
 KEEP_VERSIONS ?=
-ENGINE_FLAGS := --backend $(BACKEND) --output-dir $(BUILD) $(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET))
+ENGINE_FLAGS := --backend $(BACKEND) --output-dir $(BUILD) $(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET)) $(if $(WEIGHTS),--weights $(WEIGHTS))
 NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-versions $(KEEP_VERSIONS))
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)

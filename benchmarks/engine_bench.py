@@ -1,6 +1,7 @@
 """The CPU engine against its ceiling and its floor, measured in one run on one machine.
 
-    python -m benchmarks.engine_bench [--engine-dir build/bench] [--only base,a,b,c,d] [--quick] [--json out.json]
+    python -m benchmarks.engine_bench [--engine-dir build/bench] [--only base,a,b,c,d,w] [--quick] [--threads N]
+                                      [--json out.json]
 
 base:
 1. ceiling: plain Hugging Face forward + KV cache, batched decode steps, no server (batch 1 and 16); next
@@ -22,6 +23,10 @@ c. the stack at concurrency 1 and 16 against the engine's plain decode steps at 
 d. concurrency 64 on an engine of 64 slots whose KV cache holds 32 full-length sequences
    (`--max-batch-size 64 --kv-cache-tokens 32 x max_seq_len`, built into ENGINE_DIR-c64 once), with the
    engine's metrics (running, waiting, KV blocks, prefix-cache hits) sampled from Triton's metrics port.
+w. no server: the engine's checkpoint as float32 (the reference), int8 weights (`--weights int8`,
+   quantized here unless the engine already is) and bfloat16 compute (`cpu_dtype`): top-1 agreement and
+   max logit error against float32 over a fixed token set, then plain decode steps at batch 1 and 16,
+   wall and CPU ms per step, medians of interleaved rounds.
 
 Every figure comes from this run, so the ratios compare like with like on a shared, noisy machine, and
 each of the ceiling, floor and stack figures is the best of several runs (3 for the ceilings, 2 for the floor and
@@ -38,6 +43,7 @@ import dataclasses
 import contextlib
 import gc
 import json
+import statistics
 import tempfile
 import time
 import traceback
@@ -51,6 +57,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from benchmarks import engine_scenarios as scenarios
 from benchmarks import servers
 from benchmarks.loadgen import DEFAULT_PROMPTS, TritonTarget, percentile, run_level
+from build_engine.cpu_engine_builder import write_int8_weights
 from cpu_engine.config import EngineConfig
 from cpu_engine.runner import Chunk, LlamaRunner
 
@@ -63,6 +70,7 @@ SHARED_SYSTEM_PROMPT, SHARED_USERS = 1000, 16  # (b)
 GOAL_STACK_RATIO, LONG_CONTEXT = 0.85, 1024  # (c)
 BANDWIDTH_GIB, BANDWIDTH_GIB_QUICK, BANDWIDTH_RUNS = 2.0, 1.0, 5  # (c)
 C64_CONCURRENCY, C64_KV_SLOTS = 64, 32  # (d): 64 at once in the KV memory of 32 full-length sequences
+QUALITY_TOKENS, WEIGHT_ROUNDS, WEIGHT_ROUNDS_QUICK, WEIGHT_STEPS = 512, 5, 2, 16  # (w)
 
 
 def load_model(checkpoint: Path, dtype: str) -> torch.nn.Module:
@@ -85,13 +93,19 @@ def ceiling_tokens_per_s(model: torch.nn.Module, batch: int, steps: int = DECODE
     return batch * steps / (time.perf_counter() - start)
 
 
-@torch.inference_mode()
 def runner_tokens_per_s(runner: LlamaRunner, batch: int, steps: int = DECODE_STEPS, context: int = 0) -> float:
     """Tokens/s of plain decode steps through the engine's own forward (no scheduler, no server): what
-    the engine's kernels give, to read next to the Hugging Face ceiling. Each sequence first reads a
-    32-token prompt; with `context` > 0 it instead decodes from position `context` on, over a cache left
-    as it is (the figures do not depend on what the cache holds): what attention over a long context costs.
-    Sequence s holds blocks s x n .. s x n + n - 1 of the pool."""
+    the engine's kernels give, to read next to the Hugging Face ceiling (see `plain_decode_seconds`)."""
+    return batch * steps / plain_decode_seconds(runner, batch, steps, context)[0]
+
+
+@torch.inference_mode()
+def plain_decode_seconds(runner: LlamaRunner, batch: int, steps: int = DECODE_STEPS,
+                         context: int = 0) -> tuple[float, float]:
+    """Wall and CPU seconds (this process, every thread) of `steps` plain decode steps at `batch`. Each
+    sequence first reads a 32-token prompt; with `context` > 0 it instead decodes from position `context`
+    on, over a cache left as it is (the figures do not depend on what the cache holds): what attention over
+    a long context costs. Sequence s holds blocks s x n .. s x n + n - 1 of the pool."""
     prompt = list(range(10, 42))
     first = context or len(prompt)
     end = first + 3 + steps
@@ -110,10 +124,10 @@ def runner_tokens_per_s(runner: LlamaRunner, batch: int, steps: int = DECODE_STE
 
     for position in range(first, first + 3):  # warm-up
         step(position)
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     for position in range(first + 3, end):
         step(position)
-    return batch * steps / (time.perf_counter() - start)
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 @torch.inference_mode()
@@ -226,7 +240,7 @@ async def stack_levels(base_url: str, model: str, concurrencies: list[int], quic
     return rows
 
 
-SCENARIOS = ("base", "a", "b", "c", "d")
+SCENARIOS = ("base", "a", "b", "c", "d", "w")
 
 
 def parse_only(value: str) -> list[str]:
@@ -332,6 +346,48 @@ def run_c64(engine_dir: Path, c64_dir: Path, logs: Path, max_seq_len: int, quick
     return {"build": build, "level": row, "metrics": readings}
 
 
+def run_weights(engine_dir: Path, quick: bool) -> dict:
+    """(w): the engine's checkpoint as float32 (the reference), int8 weights and bfloat16 compute
+    (`cpu_dtype` bfloat16) side by side, their rounds interleaved so a burst of someone else's load hits
+    all of them, CPU time next to wall time: on a shared machine the wall time of a step also counts the
+    cores it waited for."""
+    base = dataclasses.replace(EngineConfig.from_engine_dir(engine_dir / "engine"), dtype="float32")
+    with tempfile.TemporaryDirectory(prefix="engine-bench-int8-") as tmp:
+        int8_file = base.int8_weights or write_int8_weights(base.checkpoint_dir, Path(tmp))
+        runners = {"float32": LlamaRunner(dataclasses.replace(base, int8_weights=None)),
+                   "int8": LlamaRunner(dataclasses.replace(base, int8_weights=int8_file)),
+                   "bfloat16": LlamaRunner(dataclasses.replace(base, int8_weights=None, dtype="bfloat16"))}
+    tokens = scenarios.quality_tokens(runners["float32"].vocab_size, min(QUALITY_TOKENS, base.max_seq_len))
+    reference = scenarios.logits_over(runners["float32"], tokens)
+    quality = {name: scenarios.compare_logits(reference, scenarios.logits_over(runner, tokens))
+               for name, runner in runners.items() if name != "float32"}
+    for name, q in quality.items():
+        print(f"(w) {name} against float32 over {q['positions']} fixed tokens: top-1 agreement "
+              f"{q['top1_agreement']:.4f}, max logit error {q['max_abs_logit_error']:.4f} (max |logit| "
+              f"{q['max_abs_logit']:.3f}, relative {q['relative_max_error']:.4f})", flush=True)
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for _ in range(WEIGHT_ROUNDS_QUICK if quick else WEIGHT_ROUNDS):
+        for batch in (1, 16):
+            for name, runner in runners.items():
+                wall, cpu = plain_decode_seconds(runner, batch, WEIGHT_STEPS)
+                samples.setdefault((name, batch), []).append((wall / WEIGHT_STEPS * 1e3, cpu / WEIGHT_STEPS * 1e3))
+    steps: dict[str, dict[str, float]] = {}
+    for batch in (1, 16):
+        for name in runners:
+            walls, cpus = zip(*samples[(name, batch)])
+            steps[f"{name}_b{batch}"] = {"wall_ms": round(statistics.median(walls), 2),
+                                         "cpu_ms": round(statistics.median(cpus), 2)}
+        f32 = steps[f"float32_b{batch}"]
+        print(f"(w) plain decode step batch {batch}, ms wall / CPU: " + ", ".join(
+            f"{name} {steps[f'{name}_b{batch}']['wall_ms']} / {steps[f'{name}_b{batch}']['cpu_ms']}"
+            f" ({f32['cpu_ms'] / steps[f'{name}_b{batch}']['cpu_ms']:.2f}x CPU)" for name in runners), flush=True)
+    weight_mb = {name: round(scenarios.runner_weight_bytes(runner)["total"] / 1e6, 1)
+                 for name, runner in runners.items()}
+    print(f"(w) weights read per step (MB): {weight_mb}; bfloat16 on oneDNN: {runners['bfloat16'].lm_head.uses_onednn}",
+          flush=True)
+    return {"quality": quality, "steps": steps, "weights_read_mb": weight_mb, "torch_threads": torch.get_num_threads()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine-dir", type=Path, default=Path("build/bench"),
@@ -340,13 +396,20 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated scenarios to run: base (ceiling, floor, stack levels, chunked "
                              "prefill), a (cached vs cold system prompt TTFT), b (16 users sharing a system "
                              "prompt, reuse on vs off), c (stack vs plain steps, batch-1 step vs memory bound), "
-                             "d (c=64 in 32 slots' KV memory); default: all")
+                             "d (c=64 in 32 slots' KV memory), w (int8 weights and bfloat16 against float32: "
+                             "quality, decode steps); default: all")
     parser.add_argument("--c64-engine-dir", type=Path,
                         help="where (d) builds (or finds) its engine (default: ENGINE_DIR-c64)")
     parser.add_argument("--quick", action="store_true", help="fewer requests and steps")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of the no-server figures (default 0: torch's own choice, every core); "
+                             "1 on a shared machine, where a parallel team's waits for a busy core inflate both "
+                             "wall and CPU time")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     only = set(args.only)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     engine_config = json.loads((args.engine_dir / "engine" / "engine_config.json").read_text())
     checkpoint, dtype = Path(engine_config["checkpoint_dir"]), engine_config["dtype"]
@@ -423,6 +486,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{bound['bf16_plain'][1]} tok/s, batch 16 {bound['bf16_plain'][16]} tok/s", flush=True)
             del bf16
             gc.collect()
+
+    if "w" in only:
+        guarded("w", results, lambda: run_weights(args.engine_dir, args.quick))
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint) if only & {"base", "a", "b"} else None
     long_prompt = min(LONG_PROMPT, max_seq_len - 8)
@@ -579,6 +645,20 @@ def main(argv: list[str] | None = None) -> None:
                         ("d", "  kv blocks used peak / total",
                          f"{scenarios.fmt(m['kv_cache_blocks_used_peak'])} / "
                          f"{scenarios.fmt(m['after']['kv_cache_blocks_total'])}", "")]
+    if "w" in only:
+        w = results.get("w", {})
+        out["w_weights"] = w
+        if failure(w):
+            summary.append(("w", "int8 and bfloat16 against float32", failure(w) or "", ""))
+        else:
+            for name, q in w["quality"].items():
+                summary.append(("w", f"{name} vs float32 over {q['positions']} tokens: top-1 agreement, "
+                                     "max logit error", f"{q['top1_agreement']:.4f}, {q['max_abs_logit_error']:.4f} "
+                                f"({q['relative_max_error']:.4f} of max |logit|)", ""))
+            for batch in (1, 16):
+                summary.append(("w", f"  plain step b{batch} float32 / int8 / bfloat16, ms wall (CPU)", " / ".join(
+                    f"{w['steps'][f'{name}_b{batch}']['wall_ms']} ({w['steps'][f'{name}_b{batch}']['cpu_ms']})"
+                    for name in ("float32", "int8", "bfloat16")), ""))
 
     if summary:
         print("\n| scenario | figure | value | goal |")

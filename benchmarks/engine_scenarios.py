@@ -6,9 +6,11 @@
 - (c) `memory_bandwidth`, `runner_weight_bytes`: what a batch-1 decode step must read and how fast this
   machine reads it;
 - (d) `build_c64_engine`, `sampled_level`: 64 concurrent requests in the KV memory of 32 full-length
-  sequences, with the engine's Prometheus metrics sampled during the level.
+  sequences, with the engine's Prometheus metrics sampled during the level;
+- (w) `quality_tokens`, `logits_over`, `compare_logits`: the int8 engine's logits against float32's over
+  a fixed token set (top-1 agreement, max logit error); its speed is measured in engine_bench.
 
-Everything here measures through the same OpenAI endpoint as the stack levels (`loadgen`), and reads the
+Except (w), everything here measures through the same OpenAI endpoint as the stack levels (`loadgen`), and reads the
 engine's metrics from Triton's metrics port, tolerating metrics the engine does not publish ("n/a").
 """
 
@@ -297,12 +299,11 @@ def _tensor_bytes(tensor: torch.Tensor | None) -> int:
 
 
 def runner_weight_bytes(runner: Any) -> dict[str, int]:
-    """What one decode step reads of the runner's weights: every projection (the oneDNN-packed copy where
-    there is one, else the weight; biases too) in every layer, the norms, and the LM head. The embedding is
-    not counted: a step gathers only its tokens' rows."""
+    """What one decode step reads of the runner's weights: every projection (its `nbytes`: the oneDNN-packed
+    copy where there is one, else the weight, int8 with its scales for an int8 engine; biases too) in every
+    layer, the norms, and the LM head. The embedding is not counted: a step gathers only its tokens' rows."""
     def projection(p: Any) -> int:
-        return _tensor_bytes(getattr(p, "packed", None) if getattr(p, "packed", None) is not None
-                             else getattr(p, "weight", None)) + _tensor_bytes(getattr(p, "bias", None))
+        return p.nbytes
 
     def norm(module: Any) -> int:
         return 0 if module is None else _tensor_bytes(module.weight)
@@ -322,13 +323,14 @@ def kv_cache_tokens_of(build_dir: Path) -> int:
 
 
 def build_c64_engine(base_engine_dir: Path, out_dir: Path, max_batch_size: int, kv_cache_tokens: int) -> dict[str, Any]:
-    """An engine of the base engine's checkpoint (`--model`: the very same weights), dtype, max_seq_len and
-    max_num_tokens with `max_batch_size` slots and a KV pool of `kv_cache_tokens` tokens, in `out_dir`. Built
-    every time: it only writes the config and renders the repository, and a repository rendered earlier
-    would carry a copy of an older model.py."""
+    """An engine of the base engine's checkpoint (`--model`: the very same weights), dtype, weight format,
+    max_seq_len and max_num_tokens with `max_batch_size` slots and a KV pool of `kv_cache_tokens` tokens, in
+    `out_dir`. Built every time: it writes the config (and quantizes, for int8) and renders the repository,
+    and a repository rendered earlier would carry a copy of an older model.py."""
     base = json.loads((base_engine_dir / "engine" / "engine_config.json").read_text())
     command = [sys.executable, "-m", "build_engine", "--model", base["checkpoint_dir"], "--output-dir", str(out_dir),
-               "--dtype", base["dtype"], "--max-batch-size", str(max_batch_size),
+               "--dtype", base["dtype"], "--weights", base.get("weights", "float32"),
+               "--max-batch-size", str(max_batch_size),
                "--max-seq-len", str(base["max_seq_len"]), "--max-num-tokens", str(base["max_num_tokens"]),
                "--kv-cache-tokens", str(kv_cache_tokens)]
     print(f"  (d) building: {' '.join(command[1:])}", flush=True)
@@ -370,3 +372,29 @@ async def sampled_level(base_url: str, model: str, concurrency: int, requests: i
                                    if "cpu_engine_preemptions_total" in after else None)},
     }
     return result, readings
+
+
+# ----- (w) int8 weights against float32 -------------------------------------------------------------------
+def quality_tokens(vocab_size: int, count: int) -> list[int]:
+    """A fixed token set: the same `count` ids on every run and machine, spread over the vocabulary."""
+    return [(7919 * i) % (vocab_size - 1) + 1 for i in range(count)]
+
+
+@torch.inference_mode()
+def logits_over(runner: Any, tokens: list[int]) -> torch.Tensor:
+    """The runner's logits at every position of `tokens`, read as one prompt chunk from position 0 (the
+    first blocks of the pool; a runner used for this is then used for nothing else)."""
+    from cpu_engine.runner import Chunk
+
+    table = list(range(-(-len(tokens) // runner.block_size)))
+    return runner.forward(tokens, [], [], [Chunk(table, 0, len(tokens))], list(range(len(tokens))))
+
+
+def compare_logits(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
+    """How far `other` is from `reference` ([positions, vocab] each): the share of positions whose top-1
+    token is the same, the largest absolute logit error, and that error over the largest reference logit."""
+    error = (other - reference).abs().max().item()
+    scale = reference.abs().max().item()
+    return {"positions": reference.shape[0],
+            "top1_agreement": (other.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+            "max_abs_logit_error": error, "max_abs_logit": scale, "relative_max_error": error / scale}

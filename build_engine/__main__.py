@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from build_engine import trtllm
-from build_engine.cpu_engine_builder import DTYPES
+from build_engine.cpu_engine_builder import DTYPES, WEIGHT_FORMATS
 from build_engine.demo_checkpoint import PRESETS
 from build_engine.errors import BuildError
 from build_engine.model_store import DEFAULT_KEEP_VERSIONS, ModelStoreError
@@ -44,6 +44,12 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool, argpar
         choices=sorted({*DTYPES, *trtllm.TRTLLM_DTYPES}),
         help="compute dtype (cpu: float32 (default) or bfloat16; trtllm: auto (the checkpoint's, default), "
         "float16 or bfloat16)",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        help="cpu: the projections' weights: float32 (the checkpoint's, default) or int8 (weight-only, one scale "
+        "per output channel, quantized at build time into the engine directory)",
     )
     parser.add_argument(
         "--max-batch-size", type=int, help="concurrent sequences (default: cpu 16 tiny, else 32; trtllm 64)"
@@ -106,6 +112,7 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool, argpar
         preset=args.preset,
         model=args.model,
         dtype=args.dtype,
+        weights=args.weights,
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         max_num_tokens=args.max_num_tokens,

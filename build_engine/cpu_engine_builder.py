@@ -1,7 +1,10 @@
-"""The CPU engine "build": no compilation, just the settings the CPU engine loads the checkpoint with.
+"""The CPU engine "build": no compilation, the settings the CPU engine loads the checkpoint with and, for
+``--weights int8``, the int8 copy of its projections.
 
 Recording them in ``engine_config.json`` gives the CPU engine the same shape as a TensorRT-LLM engine
 directory (an engine dir whose config fixes dtype and limits), so the model repository treats both alike.
+Quantizing at build time (seconds for the demo presets) keeps it out of every start, and the numbers an
+engine serves with are fixed with the engine, like a TensorRT-LLM engine's.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 from build_engine.checkpoint import CheckpointInfo
 from build_engine.errors import BuildError
 from build_engine.limits import EngineLimits
+from cpu_engine.config import INT8_WEIGHTS_FILE, WEIGHT_FORMATS
 
 ENGINE_CONFIG_FILE = "engine_config.json"
 DTYPES = ("float32", "bfloat16")
@@ -24,6 +28,7 @@ def cpu_engine_config(
     *,
     served_model_name: str,
     dtype: str,
+    weights: str = "float32",
     limits: EngineLimits,
     source: dict[str, str],
     kv_cache_tokens: int | None = None,
@@ -36,6 +41,9 @@ def cpu_engine_config(
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if weights not in WEIGHT_FORMATS:
+        raise BuildError(f"--weights {weights} is not supported by the CPU engine; "
+                         f"use one of {', '.join(WEIGHT_FORMATS)}")
     if kv_cache_tokens is None:
         kv_cache_tokens = limits.max_batch_size * limits.max_seq_len
     if kv_cache_tokens < limits.max_seq_len:
@@ -47,6 +55,7 @@ def cpu_engine_config(
         "served_model_name": served_model_name,
         "architecture": checkpoint.architecture,
         "dtype": dtype,
+        "weights": weights,
         "max_batch_size": limits.max_batch_size,
         "max_seq_len": limits.max_seq_len,
         "max_num_tokens": limits.max_num_tokens,
@@ -63,3 +72,19 @@ def write_engine_config(engine_dir: Path, config: dict[str, Any]) -> None:
     staging = engine_dir / f".{ENGINE_CONFIG_FILE}.tmp"
     staging.write_text(json.dumps(config, indent=2) + "\n")
     staging.replace(engine_dir / ENGINE_CONFIG_FILE)
+
+
+def write_int8_weights(checkpoint_dir: Path, engine_dir: Path) -> Path:
+    """Quantize every projection of the checkpoint (fused as the engine runs them) to int8 with per-channel
+    scales, into the engine directory; returns the file."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cpu_engine.int8 import save_int8_weights
+    from cpu_engine.runner import fused_projections
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
+    engine_dir.mkdir(parents=True, exist_ok=True)
+    path = engine_dir / INT8_WEIGHTS_FILE
+    save_int8_weights(path, {name: weight for name, (weight, _) in fused_projections(model).items()})
+    return path

@@ -20,6 +20,7 @@ from build_engine.cpu_engine_builder import (
     ENGINE_CONFIG_FILE,
     cpu_engine_config,
     write_engine_config,
+    write_int8_weights,
 )
 from build_engine.demo_checkpoint import ensure_demo_checkpoint
 from build_engine.errors import BuildError
@@ -45,6 +46,7 @@ class BuildRequest:
     preset: str | None = None
     model: Path | None = None
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype for TensorRT-LLM
+    weights: str | None = None  # CPU engine only: None or "float32" (the checkpoint's), "int8" (cpu_engine.int8)
     max_batch_size: int | None = None
     max_seq_len: int | None = None
     max_num_tokens: int | None = None
@@ -97,6 +99,8 @@ def existing_build(request: BuildRequest) -> BuildResult | None:
     explicit = request.preset is not None or request.model is not None
     if config.get("backend") != request.backend or (explicit and config.get("source") != request.source):
         return None
+    if request.weights is not None and config.get("weights", "float32") != request.weights:
+        return None
     # A CPU build rendered by an older checkout carries that checkout's model code, which may not match the
     # engine package it now runs with: rebuild (for the CPU engine that is a re-render, seconds).
     if request.backend == "cpu" and stale_copies(TEMPLATE_DIR, request.repository_dir):
@@ -117,6 +121,8 @@ def _checkpoint_and_limits(request: BuildRequest) -> tuple[CheckpointInfo, str, 
         raise BuildError(f"unknown backend {request.backend!r}; use one of {', '.join(BACKENDS)}")
     if request.model is not None and request.preset is not None:
         raise BuildError("give either --model or --preset, not both")
+    if request.backend == "trtllm" and request.weights is not None:
+        raise BuildError("--weights is for the CPU engine; TensorRT-LLM quantizes with --weight-only")
     if request.model is not None:
         checkpoint = validate_checkpoint(request.model)
         served_model_name = checkpoint.directory.name
@@ -227,6 +233,7 @@ def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResu
             checkpoint,
             served_model_name=served_model_name,
             dtype=dtype,
+            weights=request.weights or "float32",
             limits=limits,
             source=request.source,
             kv_cache_tokens=request.kv_cache_tokens,
@@ -246,6 +253,8 @@ def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResu
         # starts by clearing the engine folder.
         if engine_config["xgrammar_tokenizer_info"]:
             write_tokenizer_info(checkpoint.directory, Path(engine_config["xgrammar_tokenizer_info"]))
+    elif engine_config["weights"] == "int8":
+        write_int8_weights(checkpoint.directory, request.engine_dir)
     # Written last, so a failed render or build never leaves an engine that --if-missing would accept.
     write_engine_config(request.engine_dir, engine_config)
     return BuildResult(request.engine_dir.resolve(), request.repository_dir.resolve(), served_model_name)
@@ -255,8 +264,8 @@ def build(request: BuildRequest, template_dir: Path = TEMPLATE_DIR) -> BuildResu
 MODELS_SUBDIR = "models"
 # Weight files a TensorRT-LLM version does not need: its engine holds the weights.
 TRTLLM_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
-_BUILD_FLAGS = ("dtype", "max_batch_size", "max_seq_len", "max_num_tokens", "kv_cache_tokens", "tp_size", "pp_size",
-                "weight_only", "kv_cache_dtype", "max_input_len")
+_BUILD_FLAGS = ("dtype", "weights", "max_batch_size", "max_seq_len", "max_num_tokens", "kv_cache_tokens", "tp_size",
+                "pp_size", "weight_only", "kv_cache_dtype", "max_input_len")
 
 
 @dataclass(frozen=True)
@@ -368,7 +377,8 @@ def build_version(
         dtype = request.dtype or "float32"
         if dtype not in DTYPES:
             raise BuildError(f"--dtype {dtype} is not supported by the CPU engine; use one of {', '.join(DTYPES)}")
-        engine_config = cpu_engine_config(checkpoint, served_model_name=name, dtype=dtype, limits=limits,
+        engine_config = cpu_engine_config(checkpoint, served_model_name=name, dtype=dtype,
+                                          weights=request.weights or "float32", limits=limits,
                                           source=request.source, kv_cache_tokens=request.kv_cache_tokens)
     config_text = version_config(template_dir, request, engine_config, model, version)
     first = not (model.directory / model_store.STATE_FILE).is_file()
@@ -391,6 +401,8 @@ def build_version(
                 write_tokenizer_info(source_checkpoint.directory, plan.engine_dir / XGRAMMAR_INFO_FILE)
         else:
             shutil.copy2(template_dir / "tensorrt_llm" / "1" / "model.py", staging / "model.py")
+            if engine_config["weights"] == "int8":
+                write_int8_weights(source_checkpoint.directory, staging / model_store.ENGINE_DIR)
         engine_config.update(
             name=name,
             model_version=version,

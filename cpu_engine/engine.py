@@ -148,7 +148,9 @@ class Engine:
                           for n, s in sorted(self.scheduler.prefill_budget.costs.decode_step_s.items()))
         choice = f" ({self.thread_choice})" if self.thread_choice else ""
         threads = self.threads or torch.get_num_threads()
-        return f"CPU engine: {threads} threads{choice}; plain decode step by batch size {{{steps}}}"
+        runner = self.scheduler.runner
+        return (f"CPU engine: {runner.dtype_name} compute, {runner.weights} weights; {threads} threads{choice}; "
+                f"plain decode step by batch size {{{steps}}}")
 
     @property
     def alive(self) -> bool:

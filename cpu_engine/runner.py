@@ -6,7 +6,8 @@ TensorRT-LLM and vLLM, we run the Llama-family forward ourselves over the checkp
 embedding, RMSNorms, projections, MLP and rotary tables are Hugging Face's; only attention and the cache
 are ours), so every step is one packed forward for all active sequences:
 
-- all tokens of the step go through the linear layers together, as one [T, hidden] matrix;
+- all tokens of the step go through the linear layers together, as one [T, hidden] matrix (q/k/v and
+  gate/up fused into one GEMM each; on float weights, or on the build's int8 copy: cpu_engine.int8);
 - the KV cache is one pool of fixed-size blocks per layer ([blocks, block_size, kv_heads, head_dim] for K
   and for V), preallocated once; a sequence's block table (which the scheduler owns, see
   cpu_engine.kv_blocks) says which blocks hold its positions, so a sequence holds only the blocks it
@@ -21,12 +22,14 @@ are ours), so every step is one packed forward for all active sequences:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cpu_engine.config import EngineConfig
+from cpu_engine.int8 import Int8Projection, load_int8_weights
 from cpu_engine.paged_attention import paged_decode_attention
 
 # Architectures whose decoder layer is Llama's: RMSNorm, rotary, GQA attention (optional q/k/v bias,
@@ -88,6 +91,12 @@ class Projection:
     def uses_onednn(self) -> bool:
         return self.packed is not None
 
+    @property
+    def nbytes(self) -> int:
+        """What one call reads of the weights (the packed copy where there is one) and the bias."""
+        weight = self.packed if self.packed is not None else self.weight
+        return weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -98,14 +107,50 @@ class Projection:
         return out if self.bias is None else out + self.bias
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> Projection:
-    """One projection for several of the same input: one GEMM instead of several."""
+def _fused(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input: one GEMM instead of several."""
     weight = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
     if all(lin.bias is None for lin in linears):
-        return Projection(weight)
+        return weight, None
     bias = torch.cat([lin.bias.detach() if lin.bias is not None
                       else torch.zeros(lin.out_features, dtype=weight.dtype) for lin in linears])
-    return Projection(weight, bias)
+    return weight, bias
+
+
+def fused_projections(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every projection the runner runs, by name ("layers.<i>.qkv", ".o_proj", ".gate_up", ".down",
+    "lm_head"): (weight, bias), q/k/v and gate/up fused. The build's int8 quantization names its weights
+    the same way, so the engine finds each one."""
+    projections = {"lm_head": (model.lm_head.weight.detach().contiguous(), None)}
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        projections[f"layers.{i}.qkv"] = _fused([attn.q_proj, attn.k_proj, attn.v_proj])
+        projections[f"layers.{i}.o_proj"] = _fused([attn.o_proj])
+        projections[f"layers.{i}.gate_up"] = _fused([mlp.gate_proj, mlp.up_proj])
+        projections[f"layers.{i}.down"] = _fused([mlp.down_proj])
+    return projections
+
+
+AnyProjection = Projection | Int8Projection
+
+
+def _projections(model: torch.nn.Module, int8_weights: Path | None) -> dict[str, AnyProjection]:
+    """The model's projections on float weights, or on the build's int8 weights (each checked against
+    the checkpoint's shape: an engine built from another checkpoint is refused, not run)."""
+    floats = fused_projections(model)
+    if int8_weights is None:
+        return {name: Projection(weight, bias) for name, (weight, bias) in floats.items()}
+    quantized = load_int8_weights(int8_weights)
+    if quantized.keys() != floats.keys():
+        raise ValueError(f"{int8_weights} does not hold this checkpoint's projections: rebuild the engine")
+    projections = {}
+    for name, (weight, bias) in floats.items():
+        q, scale = quantized[name]
+        if q.shape != weight.shape:
+            raise ValueError(f"{int8_weights}: {name} is {tuple(q.shape)}, the checkpoint's {tuple(weight.shape)}: "
+                             "rebuild the engine")
+        projections[name] = Int8Projection(q, scale, bias)
+    return projections
 
 
 class RMSNorm:
@@ -121,18 +166,18 @@ class RMSNorm:
 
 
 class FusedLayer:
-    """A decoder layer's weights, with q/k/v and gate/up fused (the checkpoint's modules are dropped)."""
+    """A decoder layer's norms and projections (the checkpoint's modules are dropped)."""
 
-    def __init__(self, layer: torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module, projections: dict[str, AnyProjection], index: int):
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = RMSNorm(layer.input_layernorm)
         self.post_norm = RMSNorm(layer.post_attention_layernorm)
         self.q_norm = RMSNorm(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None  # Qwen3
         self.k_norm = RMSNorm(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
-        self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_proj = _fuse([attn.o_proj])
-        self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.down = _fuse([mlp.down_proj])
+        self.qkv = projections[f"layers.{index}.qkv"]
+        self.o_proj = projections[f"layers.{index}.o_proj"]
+        self.gate_up = projections[f"layers.{index}.gate_up"]
+        self.down = projections[f"layers.{index}.down"]
         self.act = mlp.act_fn
 
 
@@ -149,21 +194,23 @@ class LlamaRunner:
             )
         if config.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {config.dtype!r}")
-        self.dtype = DTYPES[config.dtype]
+        self.dtype, self.dtype_name = DTYPES[config.dtype], config.dtype
         model = AutoModelForCausalLM.from_pretrained(config.checkpoint_dir, dtype=self.dtype).eval()
         decoder = model.model
         self.embed = decoder.embed_tokens
         self.norm = RMSNorm(decoder.norm)
         self.rotary = decoder.rotary_emb
-        self.lm_head = Projection(model.lm_head.weight.detach().contiguous())
+        projections = _projections(model, config.int8_weights)
+        self.weights = config.weights
+        self.lm_head = projections["lm_head"]
         self.vocab_size = int(hf_config.vocab_size)
         attn = decoder.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
         self.num_heads = int(hf_config.num_attention_heads)
         self.num_kv_heads = int(hf_config.num_key_value_heads)
         self.scale = float(attn.scaling)
-        self.layers = [FusedLayer(layer) for layer in decoder.layers]
-        del model, decoder  # the fused copies replace the per-projection weights
+        self.layers = [FusedLayer(layer, projections, i) for i, layer in enumerate(decoder.layers)]
+        del model, decoder, projections  # the fused (or int8) copies replace the per-projection weights
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.max_seq_len = config.max_seq_len

@@ -72,6 +72,8 @@ class ResponseSink(Protocol):
 
 
 class Forward(Protocol):
+    dtype_name: str  # compute dtype, and weight format (cpu_engine.config): for the server log
+    weights: str
     vocab_size: int
     max_seq_len: int
     max_batch_size: int

@@ -281,3 +281,28 @@ def test_if_missing_rebuilds_a_cpu_repository_whose_model_code_is_stale(tiny_bui
     finally:
         copied.write_text(original)
     assert existing_build(tiny_build) is not None
+
+
+def test_weights_int8_are_quantized_at_build_time_into_the_engine_directory(
+        tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """`--weights int8`, a plain build and a named version: the int8 file beside the engine config, which
+    records the format; `--if-missing` does not take a float32 build for an int8 one."""
+    from cpu_engine.config import INT8_WEIGHTS_FILE, EngineConfig
+
+    out = tmp_path / "build"
+    assert main(["--model", str(tiny_checkpoint), "--output-dir", str(out), "--max-seq-len", "64"]) == 0
+    int8_request = BuildRequest(output_dir=out, model=tiny_checkpoint, weights="int8")
+    assert existing_build(int8_request) is None  # the float32 engine there is not the int8 one asked for
+    assert main(["--model", str(tiny_checkpoint), "--output-dir", str(out), "--max-seq-len", "64",
+                 "--weights", "int8"]) == 0
+    assert existing_build(int8_request) is not None
+    config = EngineConfig.from_engine_dir(out / "engine")
+    assert json.loads((out / "engine" / "engine_config.json").read_text())["weights"] == "int8"
+    assert config.weights == "int8" and (out / "engine" / INT8_WEIGHTS_FILE).is_file()
+
+    assert main(["--model", str(tiny_checkpoint), "--output-dir", str(out), "--max-seq-len", "64",
+                 "--weights", "int8", "--name", "quantized"]) == 0
+    engine_dir = out / "models" / "quantized" / "1" / "engine"
+    record = json.loads((engine_dir / "engine_config.json").read_text())
+    assert record["weights"] == "int8" and record["build_flags"]["weights"] == "int8"
+    assert (engine_dir / INT8_WEIGHTS_FILE).is_file()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from build_engine.cpu_engine_builder import write_int8_weights
 from cpu_engine.config import EngineConfig
 from cpu_engine.engine import Engine, EngineFailedError
 from cpu_engine.runner import Chunk, LlamaRunner, Projection
@@ -34,10 +35,22 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def int8_weights(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint's projections quantized as `build_engine --weights int8` does."""
+    return write_int8_weights(checkpoint, tmp_path_factory.mktemp("int8-engine"))
+
+
+@pytest.fixture(params=["float32", "int8"])
+def weights(request: pytest.FixtureRequest, int8_weights: Path) -> Path | None:
+    """Runs a test once per weight format: the `int8_weights` of an EngineConfig (None: float32)."""
+    return int8_weights if request.param == "int8" else None
+
+
 def make_scheduler(checkpoint: Path, slots: int = 4, max_seq_len: int = 256,
-                   max_num_tokens: int = 64) -> Scheduler:
-    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=slots,
-                                      max_seq_len=max_seq_len, max_num_tokens=max_num_tokens))
+                   max_num_tokens: int = 64, int8_weights: Path | None = None) -> Scheduler:
+    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=slots, max_seq_len=max_seq_len,
+                                      max_num_tokens=max_num_tokens, int8_weights=int8_weights))
     return Scheduler(runner, max_num_tokens)
 
 
@@ -123,13 +136,13 @@ def test_onednn_projection_gives_a_row_the_same_bits_in_any_batch() -> None:
         assert torch.equal(projection(x[:rows])[:1], alone), rows
 
 
-def test_greedy_alone_equals_greedy_in_a_full_batch(checkpoint: Path) -> None:
-    alone = make_scheduler(checkpoint)
+def test_greedy_alone_equals_greedy_in_a_full_batch(checkpoint: Path, weights: Path | None) -> None:
+    alone = make_scheduler(checkpoint, int8_weights=weights)
     target = request("target", prompt_of(11), 24)
     alone.add(target)
     run_until_done(alone)
 
-    batched = make_scheduler(checkpoint, max_num_tokens=16)  # forces chunked prefill too
+    batched = make_scheduler(checkpoint, max_num_tokens=16, int8_weights=weights)  # forces chunked prefill too
     others = [request(f"o{i}", prompt_of(5 + 9 * i, offset=i), 10 + 7 * i) for i in range(3)]
     again = request("target", prompt_of(11), 24)
     batched.add(others[0])
@@ -172,9 +185,9 @@ def test_cancelled_request_frees_its_slot_for_the_next(checkpoint: Path) -> None
     assert waiting.sink.finish is FinishReason.LENGTH and len(waiting.sink.tokens) == 3
 
 
-def test_seeded_sampling_is_reproducible(checkpoint: Path) -> None:
+def test_seeded_sampling_is_reproducible(checkpoint: Path, weights: Path | None) -> None:
     def sample_with(seed: int) -> list[int]:
-        scheduler = make_scheduler(checkpoint)
+        scheduler = make_scheduler(checkpoint, int8_weights=weights)
         params = SamplingParams(temperature=1.5, top_k=50, top_p=0.95, seed=seed)
         req = request("s", prompt_of(4), 20, sampling=params)
         scheduler.add(req)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from build_engine.cpu_engine_builder import write_int8_weights
 from build_engine.demo_checkpoint import ensure_demo_checkpoint
 from cpu_engine.config import EngineConfig
 from cpu_engine.guide_pool import SHUT_DOWN, GuidePool
@@ -75,6 +76,20 @@ def tokenizer(demo: Path):
 @pytest.fixture(scope="module")
 def runner(demo: Path) -> LlamaRunner:
     return LlamaRunner(EngineConfig(checkpoint_dir=demo, max_batch_size=SLOTS, max_seq_len=512, max_num_tokens=256))
+
+
+@pytest.fixture(scope="module")
+def int8_runner(demo: Path, tmp_path_factory: pytest.TempPathFactory) -> LlamaRunner:
+    """The same model on the int8 weights `build_engine --weights int8` makes."""
+    weights = write_int8_weights(demo, tmp_path_factory.mktemp("int8-engine"))
+    return LlamaRunner(EngineConfig(checkpoint_dir=demo, max_batch_size=SLOTS, max_seq_len=512, max_num_tokens=256,
+                                    int8_weights=weights))
+
+
+@pytest.fixture(params=["float32", "int8"])
+def any_runner(request: pytest.FixtureRequest) -> LlamaRunner:
+    """Runs a test once per weight format."""
+    return request.getfixturevalue("runner" if request.param == "float32" else "int8_runner")
 
 
 @pytest.fixture(scope="module")
@@ -192,23 +207,24 @@ def test_compiled_guides_are_cached_per_type_and_guide_in_a_bounded_lru(tokenize
     assert compiler.compile("regex", "[0-9]+") is not first and (compiler.hits, compiler.misses) == (1, 4)
 
 
-def test_an_unguided_sequence_batched_with_guided_ones_is_its_solo_greedy_self(runner, tokenizer, compiler, prompt):
+def test_an_unguided_sequence_batched_with_guided_ones_is_its_solo_greedy_self(any_runner, tokenizer, compiler,
+                                                                               prompt):
     alone = GenerationRequest("u", prompt, 40, ListSink())
-    generate(runner, tokenizer, [alone])
+    generate(any_runner, tokenizer, [alone])
     guide = compiler.compile("json_schema", json.dumps(SCHEMA))
     again = GenerationRequest("u", prompt, 40, ListSink(), SamplingParams(top_logprobs=2))
     batch = [guided(f"g{i}", prompt, guide, tokenizer, seed=i) for i in range(5)]
-    generate(runner, tokenizer, batch[:2] + [again] + batch[2:])
+    generate(any_runner, tokenizer, batch[:2] + [again] + batch[2:])
     assert again.sink.tokens == alone.sink.tokens and again.sink.finish is FinishReason.LENGTH
     assert again.sink.logprobs == pytest.approx(alone.sink.logprobs, abs=1e-5)
 
 
-def test_seeded_guided_sampling_is_reproducible_in_any_batch(runner, tokenizer, compiler, prompt):
+def test_seeded_guided_sampling_is_reproducible_in_any_batch(any_runner, tokenizer, compiler, prompt):
     guide = compiler.compile("json_schema", json.dumps(SCHEMA))
     solo = guided("a", prompt, guide, tokenizer, seed=7)
-    generate(runner, tokenizer, [solo])
+    generate(any_runner, tokenizer, [solo])
     batched = guided("a", prompt, guide, tokenizer, seed=7)
-    generate(runner, tokenizer, [GenerationRequest("n", prompt, 30, ListSink(), sampled(1)), batched,
+    generate(any_runner, tokenizer, [GenerationRequest("n", prompt, 30, ListSink(), sampled(1)), batched,
                                  guided("b", prompt, guide, tokenizer, seed=8)])
     assert batched.sink.tokens == solo.sink.tokens
 

@@ -1,0 +1,103 @@
+"""Weight-only int8 (`build_engine --weights int8`): the quantization, its file, and the engine's logits
+on it against float32 within fixed bounds."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.engine_scenarios import compare_logits, logits_over, quality_tokens
+from build_engine.__main__ import main as build_main
+from cpu_engine.config import INT8_WEIGHTS_FILE, EngineConfig, resolve_dtype
+from cpu_engine.int8 import Int8Projection, load_int8_weights, quantize_per_channel, save_int8_weights
+from cpu_engine.runner import LlamaRunner, fused_projections
+from tests.unit.test_cpu_engine import VOCAB, checkpoint, int8_weights  # noqa: F401
+
+# The int8 engine against float32 on the test model, over every position of a fixed 48-token prompt.
+# Measured: top-1 agreement 1.0, max logit error ~1% of the largest logit; the bounds leave room, not slack
+# for a broken kernel (a wrong scale or a transposed weight gives errors of the logits' own size).
+MIN_TOP1_AGREEMENT = 0.95
+MAX_RELATIVE_LOGIT_ERROR = 0.05
+
+
+def test_per_channel_quantization_is_within_half_a_step_of_each_weight() -> None:
+    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    weight[3] *= 100  # one loud channel must not cost the others their precision
+    q, scale = quantize_per_channel(weight)
+    assert q.dtype == torch.int8 and scale.shape == (64,) and int(q.abs().max()) <= 127
+    error = (q.float() * scale.float()[:, None] - weight).abs()
+    assert bool((error <= scale.float()[:, None] * 0.5 + 1e-6).all())
+    assert float(scale[0]) < float(scale[3]) / 20
+
+
+def test_int8_projection_matches_the_dequantized_weight_in_any_batch() -> None:
+    generator = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    q, scale = quantize_per_channel(weight)
+    projection = Int8Projection(q, scale, bias)
+    x = torch.randn(40, 64, generator=generator)
+    dequantized = torch.nn.functional.linear(x, q.float() * scale.float()[:, None], bias)
+    out = projection(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, dequantized, atol=0.05, rtol=0.02)  # activations go through bfloat16
+    alone = projection(x[:1])
+    for rows in (2, 5, 16, 40):  # a row gets the same bits in any batch: greedy alone == greedy batched
+        assert torch.equal(projection(x[:rows])[:1], alone), rows
+
+
+def test_the_int8_file_round_trips_and_names_every_projection(checkpoint: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    floats = fused_projections(AutoModelForCausalLM.from_pretrained(checkpoint))
+    path = tmp_path / INT8_WEIGHTS_FILE
+    save_int8_weights(path, {name: weight for name, (weight, _) in floats.items()})
+    loaded = load_int8_weights(path)
+    assert loaded.keys() == floats.keys() and "layers.1.gate_up" in loaded and "lm_head" in loaded
+    for name, (weight, _) in floats.items():
+        expected_q, expected_scale = quantize_per_channel(weight)
+        assert torch.equal(loaded[name][0], expected_q) and torch.equal(loaded[name][1], expected_scale)
+    assert not list(tmp_path.glob(".*.tmp"))  # written through a staging file, renamed into place
+
+
+def test_an_int8_file_of_another_model_is_refused(checkpoint: Path, tmp_path: Path) -> None:
+    save_int8_weights(tmp_path / INT8_WEIGHTS_FILE, {"lm_head": torch.randn(VOCAB, 64)})
+    with pytest.raises(ValueError, match="rebuild the engine"):
+        LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=1, max_seq_len=64,
+                                 int8_weights=tmp_path / INT8_WEIGHTS_FILE))
+
+
+def test_the_int8_engine_stays_within_bounds_of_float32(checkpoint: Path, int8_weights: Path) -> None:
+    config = EngineConfig(checkpoint_dir=checkpoint, max_batch_size=1, max_seq_len=64, kv_block_size=4)
+    reference = LlamaRunner(config)
+    quantized = LlamaRunner(dataclasses.replace(config, int8_weights=int8_weights))
+    assert (reference.weights, quantized.weights) == ("float32", "int8")
+    tokens = quality_tokens(VOCAB, 48)
+    quality = compare_logits(logits_over(reference, tokens), logits_over(quantized, tokens))
+    assert quality["top1_agreement"] >= MIN_TOP1_AGREEMENT, quality
+    assert 0 < quality["relative_max_error"] < MAX_RELATIVE_LOGIT_ERROR, quality  # > 0: int8 really ran
+    bytes_read = sum(p.nbytes for layer in quantized.layers for p in (layer.qkv, layer.o_proj, layer.gate_up,
+                                                                       layer.down))
+    float_bytes = sum(p.nbytes for layer in reference.layers for p in (layer.qkv, layer.o_proj, layer.gate_up,
+                                                                        layer.down))
+    assert bytes_read < float_bytes * 0.3  # a quarter of the bytes, plus the scales
+
+
+def test_weights_int8_is_for_the_cpu_engine_only(checkpoint: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert build_main(["--model", str(checkpoint), "--output-dir", str(tmp_path), "--backend", "trtllm",
+                       "--weights", "int8"]) == 2
+    assert "--weight-only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("setting, amx, expected", [
+    ("engine", True, "float32"), ("auto", True, "bfloat16"), ("auto", False, "float32"),
+    ("float32", True, "float32"), ("bfloat16", False, "bfloat16")])
+def test_cpu_dtype_is_chosen_at_start_up_by_the_documented_rule(setting: str, amx: bool, expected: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert resolve_dtype(setting, built="float32") == expected
+    with pytest.raises(ValueError, match="cpu_dtype must be one of"):
+        resolve_dtype("fp16", built="float32")
