@@ -15,10 +15,19 @@ restarts a worker that dies.
 
 from __future__ import annotations
 
+import os
 import sys
+
+# gRPC's classic client I/O path: the default event-engine client reads each stream message on its own
+# threads and hands it to grpc.aio's poller, one more thread hop and wake-up per streamed token; without it
+# the frontend spends ~15-30% less CPU per token at 64-256 streams (benchmarks/README.md, "Frontend
+# benchmark"). Read once, when grpc is first imported, so it is set before anything imports it (workers
+# inherit it); an operator's own GRPC_EXPERIMENTS wins.
+os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_client")
+
 from collections.abc import Sequence
 
-from frontend import server, supervisor
+from frontend.observability.logs import configure_logging
 from frontend.settings import Settings
 
 SECRET_FLAGS = ("--api-keys", "--api_keys", "--admin-api-keys", "--admin_api_keys")  # settings that must never be given on a command line
@@ -38,9 +47,13 @@ def refuse_secret_flags(argv: Sequence[str]) -> None:
 def main() -> None:
     refuse_secret_flags(sys.argv[1:])  # before parsing, so that the refusal is clear and nothing is echoed
     settings = Settings(_cli_parse_args=True)
-    server.configure_logging(settings)
+    configure_logging(settings.log_level, settings.access_log)
+    # Imported here, each only where it runs: the supervisor's process never loads the app (tokenizers,
+    # xgrammar and torch: hundreds of MB), only each worker does.
     if settings.frontend_workers > 1:
+        from frontend import supervisor
         sys.exit(supervisor.serve(settings, sys.argv[1:]))
+    from frontend import server
     server.run(settings)
 
 

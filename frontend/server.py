@@ -4,7 +4,6 @@ server that SIGTERM drains instead of stopping (frontend/__main__.py for the who
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 import ssl
 from collections.abc import Callable
@@ -14,7 +13,6 @@ from typing import Any
 import uvicorn
 
 from frontend.http.app import create_app
-from frontend.observability import access_log
 from frontend.http.middleware import Edge
 from frontend.settings import Settings
 
@@ -79,13 +77,6 @@ class DrainingServer(uvicorn.Server):
             await self._edge.drain(self._grace_s)
         finally:
             self.should_exit = True
-
-
-def configure_logging(settings: Settings) -> None:
-    """Log lines carry the process id: with several workers, which one said it."""
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
-    access_log.configure(settings.access_log)
 
 
 def run(settings: Settings, coordinator: str | None = None, sockets: list[socket.socket] | None = None) -> None:

@@ -37,7 +37,9 @@ from collections import deque
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from frontend import server
+import uvicorn
+
+from frontend.observability.logs import configure_logging
 from frontend.policy import auth
 from frontend.settings import Settings
 from frontend.workers.coordinator import Coordinator
@@ -65,7 +67,9 @@ def worker_main(argv: list[str], listener: socket.socket, coordinator: str, pare
     _die_with(parent)
     auth.use_key_id_salt(key_id_salt)
     settings = Settings(_cli_parse_args=argv)
-    server.configure_logging(settings)
+    configure_logging(settings.log_level, settings.access_log)
+    from frontend import server  # the app: in the workers only (frontend/__main__.py main())
+
     server.run(settings, coordinator, [listener])
 
 
@@ -150,7 +154,8 @@ class Supervisor:
 
 def serve(settings: Settings, argv: list[str]) -> int:
     """Run `settings.frontend_workers` workers until they are stopped; the exit status."""
-    listener = server.build_config(None, settings).bind_socket()  # type: ignore[arg-type]
+    # uvicorn's own binding (address families, SO_REUSEADDR), as one server process binds.
+    listener = uvicorn.Config(None, host=settings.frontend_host, port=settings.frontend_port).bind_socket()  # type: ignore[arg-type]
     run_dir = Path(tempfile.mkdtemp(prefix="frontend-"))  # mode 0700: only this user reaches the coordinator
     metrics_dir = run_dir / "metrics"
     metrics_dir.mkdir()

@@ -19,7 +19,7 @@ import sys
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import AsyncIterator, Awaitable, Callable, NamedTuple, Protocol
 
 import anyio
 
@@ -35,8 +35,9 @@ from frontend.text.tokenizer import Tokenizer
 from frontend.parsing.tool_parsers import ToolCall, ToolCallDelta, ToolCallParser
 
 
-@dataclass(frozen=True)
-class TokenInfo:
+class TokenInfo(NamedTuple):
+    """One generated token and its log-probabilities. A named tuple: one is built per token (see TokenChunk)."""
+
     token_id: int
     logprob: float | None  # None unless logprobs were asked for
     top: list[tuple[int, float]]
@@ -173,6 +174,8 @@ def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: i
 def token_infos(chunk: TokenChunk, options: SamplingOptions) -> list[TokenInfo]:
     """One entry per token, with the log-probabilities asked for; an engine that answers with fewer or more
     log-probabilities than tokens is an engine error, never silently truncated."""
+    if not options.logprobs and not options.top_logprobs:  # the common case
+        return [TokenInfo(token, None, []) for token in chunk.token_ids]
     count = len(chunk.token_ids)
     logprobs: list[float | None] = [None] * count
     top: list[list[tuple[int, float]]] = [[] for _ in range(count)]

@@ -194,24 +194,27 @@ def requested_outputs(options: SamplingOptions) -> list[str]:
     return outputs
 
 
+_INT32 = struct.Struct("<i")
+
+
 def _new_tokens(result: grpcclient.InferResult) -> list[int]:
     """A response's tokens: `output_ids` [1, beams, len] cut at `sequence_length` [1, beams], which is
     how the TensorRT-LLM backend marks the end of the valid ids (it pads the rest). Read straight from the
     response's raw INT32 bytes (little-endian, as Triton sends them): this runs once per token, and the
-    InferResult/numpy route costs several times more."""
+    InferResult/numpy route costs several times more. Each protobuf field access builds a Python object,
+    so the outputs' names are read once and each tensor is looked up by position."""
     response = result.get_response()
-    ids = length = None
-    for output, raw in zip(response.outputs, response.raw_output_contents):
-        if output.name == "output_ids":
-            ids = raw
-        elif output.name == "sequence_length":
-            length = raw
-    if not ids:
+    names = [output.name for output in response.outputs]
+    if "output_ids" not in names:
         return []
+    contents = response.raw_output_contents
+    ids = contents[names.index("output_ids")]
     count = len(ids) // 4
-    if length:
-        count = min(count, max(0, int.from_bytes(length[:4], "little", signed=True)))
-    return list(struct.unpack_from(f"<{count}i", ids))
+    if "sequence_length" in names:
+        length = contents[names.index("sequence_length")]
+        if length:
+            count = min(count, max(0, _INT32.unpack_from(length)[0]))
+    return [_INT32.unpack_from(ids)[0]] if count == 1 else list(struct.unpack_from(f"<{count}i", ids))
 
 
 def _new_log_probs(result: grpcclient.InferResult, count: int) -> list[float] | None:

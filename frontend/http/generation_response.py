@@ -95,10 +95,6 @@ class GenerationResponse(Response):
         await self._send_json(send, 200, body.model_dump_json().encode("utf-8"))
 
     async def _stream(self, send: Send) -> None:
-        # Choices deliver concurrently; frames must not interleave. fast_acquire: an uncontended lock (one
-        # choice, the usual case) costs no extra event-loop turn per token.
-        lock = anyio.Lock(fast_acquire=True)
-
         async def write(frames: list[bytes]) -> None:
             """One ASGI message for the frames of one delta (each message costs a trip through every
             middleware and a transport write)."""
@@ -106,15 +102,23 @@ class GenerationResponse(Response):
                 body = frames[0] if len(frames) == 1 else b"".join(frames)
                 await send({"type": "http.response.body", "body": body, "more_body": True})
 
-        async def on_delta(index: int, delta: TextDelta) -> None:
-            async with lock:
-                if not self._started:
-                    self._started = True
-                    await send({"type": "http.response.start", "status": 200,
-                                "headers": SSE_HEADERS + self._headers()})
-                    await write(self.renderer.stream_start())
-                await write(self.renderer.stream_delta(index, delta))
+        async def deliver(index: int, delta: TextDelta) -> None:
+            if not self._started:
+                self._started = True
+                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + self._headers()})
+                await write(self.renderer.stream_start())
+            await write(self.renderer.stream_delta(index, delta))
 
+        lock = anyio.Lock(fast_acquire=True)
+
+        async def deliver_locked(index: int, delta: TextDelta) -> None:
+            async with lock:
+                await deliver(index, delta)
+
+        # Choices deliver concurrently; frames must not interleave. One choice (the usual case) needs no lock:
+        # even an uncontended anyio lock costs several microseconds per token (current_task() lookups and a
+        # cancellation check).
+        on_delta = deliver_locked if len(self.generation.jobs) > 1 else deliver
         try:
             await _internal_errors_as_500(self.generation.run(on_delta))
             if self.include_usage:

@@ -42,6 +42,8 @@ class Tokenizer:
         self.vocab_size = len(self._tok)
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         self._decode_ids = self._fast_decode()
+        # Memoized single-token decodes for the detokenizer (one per generated token; see IncrementalDetokenizer).
+        self._decode_one = functools.lru_cache(maxsize=65536)(lambda token_id: self._decode_ids([token_id]))
         # Built once here (this runs in a worker thread at model load): ~0.25 s for a 150k vocabulary.
         self._token_bytes: TokenBytes = build_token_bytes(self._tok)
         # No token is longer than this many bytes, so a text of more than `n * max_token_bytes` UTF-8
@@ -148,5 +150,5 @@ class Tokenizer:
         kept = frozenset(i for i, text in self._skipped_special_tokens.items() if text in markers) \
             if markers else frozenset()
         if not kept:
-            return IncrementalDetokenizer(self._decode_ids, prompt_tail=prompt_ids)
+            return IncrementalDetokenizer(self._decode_ids, prompt_tail=prompt_ids, decode_one=self._decode_one)
         return IncrementalDetokenizer(functools.partial(self._decode_keeping, kept), prompt_tail=prompt_ids)

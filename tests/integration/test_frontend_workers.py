@@ -10,6 +10,7 @@ so its requests spread over both workers, and asserts what must hold whichever w
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -137,7 +138,7 @@ async def stream(workers: Workers, key: str, max_tokens: int, started: asyncio.E
                     started.set()
                     if line == "data: [DONE]":
                         return "done"
-                    if '"error"' in line:
+                    if line.startswith("data: ") and "error" in json.loads(line[len("data: "):]):
                         return "error event"
         return "no [DONE]"
     except httpx.HTTPError as exc:

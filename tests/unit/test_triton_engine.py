@@ -65,6 +65,9 @@ def test_new_tokens_end_at_sequence_length() -> None:
     assert _new_tokens(Result(output_ids=np.zeros((1, 1, 0), dtype=np.int32),
                               sequence_length=np.array([[0]], dtype=np.int32))) == []
     assert _new_tokens(Result()) == []
+    # Outputs come in whatever order the backend made them; one token (the usual response) and its length.
+    assert _new_tokens(Result(sequence_length=np.array([[1]], dtype=np.int32),
+                              output_ids=np.array([[[-9, 3]]], dtype=np.int32))) == [-9]
 
 
 def test_new_log_probs_are_the_last_ones_of_a_growing_list() -> None:

@@ -32,6 +32,26 @@ def test_streamed_deltas_join_to_the_full_text_and_never_split_characters(text: 
     assert all("\ufffd" not in d for d in deltas)
 
 
+def test_a_memo_of_single_token_decodes_changes_no_delta() -> None:
+    """The memoized single-token decode is only a shortcut: the deltas are those of `decode` alone."""
+    rng = random.Random(7)
+    text = "emoji 😀👍🏽 mixed 中文 text, plain words and 你好" * 3
+    ids = byte_ids(text)
+    steps = [rng.choice([1, 1, 1, 2, 3]) for _ in ids]
+    memo: dict[int, str] = {}
+    plain = IncrementalDetokenizer(byte_decode, prompt_tail=byte_ids("prompt: "))
+    memoized = IncrementalDetokenizer(byte_decode, prompt_tail=byte_ids("prompt: "),
+                                      decode_one=lambda t: memo.setdefault(t, byte_decode([t])))
+    position = 0
+    for step in steps:
+        if position >= len(ids):
+            break
+        assert plain.add(ids[position:position + step]) == memoized.add(ids[position:position + step])
+        position += step
+    assert plain.flush() == memoized.flush()
+    assert memo  # the shortcut was taken
+
+
 def test_incomplete_character_is_held_back_until_complete() -> None:
     detok = IncrementalDetokenizer(byte_decode)
     smile = byte_ids("😀")
