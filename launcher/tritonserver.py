@@ -296,8 +296,10 @@ class TritonServer:
         parts += [f"--- last {lines} lines of {self._log_file} ---", *tail, "--- end of log ---"]
         return "\n".join(parts)
 
-    def stop(self, grace_s: float = 15) -> None:
-        """SIGTERM the whole group, wait up to grace_s, then SIGKILL it; safe to call repeatedly."""
+    def stop(self, grace_s: float = 35) -> None:
+        """SIGTERM the whole group, wait up to grace_s, then SIGKILL it; safe to call repeatedly. The default is
+        Triton's own --exit-timeout-secs (30 s, for in-flight requests and model unloads) and a margin: a busy
+        machine unloading Python-backend stubs took more than 15 s, and a SIGKILL then leaves their regions."""
         if self._proc is None or self._stopped:
             return
         # Mark first: signalling a group id again later could hit a recycled pid.

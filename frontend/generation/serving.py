@@ -96,6 +96,9 @@ class ChoiceJob:
 class TokenTimer(Protocol):
     def tokens(self, count: int) -> None: ...
 
+    def close(self) -> None:
+        """The request's last token has come (or never will)."""
+
 
 class RequestHooks(Protocol):
     """What the HTTP edge wants to know of a generation (frontend.http.request_budget.RequestBudget)."""
@@ -360,11 +363,15 @@ class Generation:
                                  self.parsing.markers)
         if self.parsing:
             deltas = parse_answer(deltas, self.parsing)
-        async with aclosing(deltas):
-            async for delta in deltas:
-                if self.hooks is not None:
-                    self.hooks.record_delta(delta)
-                await on_delta(job.index, delta)
+        try:
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    if self.hooks is not None:
+                        self.hooks.record_delta(delta)
+                    await on_delta(job.index, delta)
+        finally:
+            if timer is not None:
+                timer.close()
 
 
 @dataclass(frozen=True)

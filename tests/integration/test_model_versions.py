@@ -41,6 +41,9 @@ CODER_TEXT = " 你好🚀👍"  # as the SentencePiece tokenizer spells it (its 
 # tokenizer turns the coder's tokens into this text
 STREAMS = 6
 LOAD_WAIT_S = 300  # for the looping streams' next answers: a bound for a hung stack, not a speed
+# The launcher's own shutdown is bounded (frontend drain 30 s + 10 s, Triton 15 s, leftovers 5 s); this is a bound
+# for a hung launcher, not a speed: the tests read the log of a clean stop (Triton unloading its models).
+LAUNCHER_STOP_S = 300
 BUILD_FLAGS = ["--max-batch-size", "8", "--max-seq-len", "256"]
 
 
@@ -90,7 +93,21 @@ def launched(out: Path, frontend_workers: int = 1) -> Iterator[Served]:
         wait_http_ok(f"{root}/health/ready", 300, process)
         yield Served(out, root, env, f"http://127.0.0.1:{ports['TRITON_HTTP_PORT']}", log, process)
     finally:
-        stop_process(process)
+        stop_launcher(process)
+
+
+def stop_launcher(process: subprocess.Popen) -> None:
+    """SIGTERM, as Ctrl+C would, then wait for the launcher's whole shutdown: with two workers on a busy machine it
+    takes longer than benchmarks' stop_process waits before SIGKILL, which left Triton unloading (its last
+    'successfully unloaded' line missing from the log)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(LAUNCHER_STOP_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise AssertionError(f"the launcher did not stop within {LAUNCHER_STOP_S} s of SIGTERM")
 
 
 def build_two_models(stack: Stack, out: Path, checkpoints: Path) -> None:
@@ -298,6 +315,7 @@ async def test_the_tensorrt_llm_layout_swaps_versions_under_load_through_the_liv
         assert failures == [] and result.returncode == 0, result.stdout + result.stderr
         assert set(answers) <= {V1_TEXT, V2_TEXT} and after == [V1_TEXT] * STREAMS
         assert (chat(served, ASSISTANT), chat(served, CODER)) == (V1_TEXT, CODER_TEXT)
+    assert served.launcher.returncode == 0, served.log.read_text()[-4000:]  # a clean stop, nothing killed
     log = (out / "logs" / "tritonserver.log").read_text()
     assert "TEST MODEL, the TensorRT-LLM contract double" in log  # the double served, not the CPU model
     # Never two versions at once: each load of the assistant starts after the version before it has unloaded.

@@ -329,3 +329,39 @@ async def test_metrics_page_counts_the_frontends_queue_and_the_engines_as_waitin
     assert re.search(r"^tritonllm_requests_waiting 8\.5$", text, re.M)  # 2 here + 6.5 in the engine
     assert text.index("tritonllm_requests_waiting") < text.index("nv_trt_llm_request_metrics")
     assert text.endswith(TRITON_TEXT)
+
+
+def test_token_timing_counts_what_observe_would_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inter-token latencies are counted locally and added to the histogram in bulk (every ITL_FLUSH_TOKENS
+    tokens and at close): the histogram then holds exactly what one observe() per token gives, and the bulk
+    add uses prometheus-client's private fields, which this catches if an upgrade renames them."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from frontend.observability import metrics as frontend_metrics
+
+    clock = iter(np.cumsum([0.5, 0.2, 0.001, 0.0025, 0.003, 7.0] + [0.004] * 200 + [0.02, 0.1]).tolist())
+    monkeypatch.setattr(frontend_metrics.time, "monotonic", lambda: next(clock))
+    server_metrics = frontend_metrics.Metrics()
+    first: list[float] = []
+    timing = frontend_metrics.TokenTiming(0.0, server_metrics, "/v1/chat/completions", first.append)
+    expected = Histogram("expected", "", buckets=frontend_metrics.TOKEN_BUCKETS, registry=CollectorRegistry())
+    for count in [1, 1, 1, 2, 1, 3] + [1] * 200 + [2, 1]:
+        before = timing._last
+        timing.tokens(count)
+        if before is not None:
+            for _ in range(count):
+                expected.observe((timing._last - before) / count)
+    assert first == [pytest.approx(0.5)]
+    flushed = {s.labels.get("le"): s.value for s in server_metrics.itl.collect()[0].samples
+               if s.name.endswith("_bucket")}
+    assert sum(flushed.values()) > 0  # 200 tokens: flushed at 64, 128 and 192 before the end
+    timing.close()
+    timing.close()  # nothing pending: a no-op
+
+    def samples(histogram: Histogram) -> dict[tuple[str, str | None], float]:
+        return {(s.name.rsplit("_", 1)[-1], s.labels.get("le")): s.value for s in histogram.collect()[0].samples
+                if not s.name.endswith("_created")}
+
+    got, want = samples(server_metrics.itl), samples(expected)
+    assert got.keys() == want.keys()
+    assert all(got[key] == pytest.approx(want[key]) for key in want), (got, want)
