@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.servers import stop_process, wait_http_ok
+from benchmarks.servers import wait_http_ok
 from launcher.ports import find_free_port
 from tests.integration.conftest import REPO_ROOT, Stack
 from tests.integration.scripted_model import CHAT_MESSAGES, _chain, write_scripted_checkpoint
