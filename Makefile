@@ -126,3 +126,26 @@ lint-k8s: $(LINT_VENV)/.installed
 
 clean:
 	rm -rf $(BUILD)
+
+# llama.cpp side by side (benchmarks/README.md, "llama.cpp side by side"). `make llama-cpp`: llama-server and
+# llama-quantize built from the llama.cpp that the pinned llama-cpp-python sdist vendors, into $(BUILD)/llama.cpp
+# (~10-15 min on 2 cores; benchmarks/llamacpp_build.sh). `make bench-llamacpp`: the `small` engine, float32 and
+# int8 (same checkpoint), against llama-server on f32 and q8_0 GGUFs of that checkpoint: streaming chat, 64 tokens,
+# concurrency 1 and 16, ROUNDS interleaved rounds; tok/s and CPU µs per token of each process, ratios. The
+# llama-server: LLAMA_SERVER=<binary>, else PATH, else `make llama-cpp`'s (built first when there is none).
+LLAMA_CPP_DIR := $(BUILD)/llama.cpp
+LLAMA_BENCH := $(BUILD)/bench-llamacpp
+LLAMA_SERVER ?=
+.PHONY: llama-cpp bench-llamacpp
+llama-cpp: install
+	PY=$(PY) bash benchmarks/llamacpp_build.sh $(LLAMA_CPP_DIR)
+
+bench-llamacpp: install
+	PY=$(PY) $(if $(LLAMA_SERVER)$(shell command -v llama-server 2>/dev/null),SOURCE_ONLY=1) \
+		bash benchmarks/llamacpp_build.sh $(LLAMA_CPP_DIR)
+	$(PY) -m build_engine --if-missing --preset small --output-dir $(LLAMA_BENCH)/float32
+	$(PY) -m build_engine --if-missing --model $(LLAMA_BENCH)/float32/checkpoints/demo-small --weights int8 \
+		--output-dir $(LLAMA_BENCH)/int8
+	$(PY) -m benchmarks.llamacpp_bench --work-dir $(LLAMA_BENCH) --llama-cpp-dir $(LLAMA_CPP_DIR) --rounds $(ROUNDS) \
+		--engine float32=$(LLAMA_BENCH)/float32/model_repository --engine int8=$(LLAMA_BENCH)/int8/model_repository \
+		$(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER))
