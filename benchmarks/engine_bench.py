@@ -1,6 +1,6 @@
 """The CPU engine against its ceiling and its floor, measured in one run on one machine.
 
-    python -m benchmarks.engine_bench [--engine-dir build/bench] [--only base,a,b,c,d,w] [--quick] [--threads N]
+    python -m benchmarks.engine_bench [--engine-dir build/bench] [--only base,a,b,c,d,w,l] [--quick] [--threads N]
                                       [--json out.json]
 
 base:
@@ -27,6 +27,10 @@ w. no server: the engine's checkpoint as float32 (the reference), int8 weights (
    quantized here unless the engine already is) and bfloat16 compute (`cpu_dtype`): top-1 agreement and
    max logit error against float32 over a fixed token set, then plain decode steps at batch 1 and 16,
    wall and CPU ms per step, medians of interleaved rounds.
+l. no server: plain decode steps at batch 1 and 16 from contexts 32, 128, 1,024 and 4,096 (a runner whose
+   KV pool holds 16 sequences of the longest, beyond the engine's max_seq_len if need be): tok/s and the
+   ratio to context 32 (goal at 1,024: >= 0.6), then what the decode-attention kernel took of each step and
+   how fast it read the K/V rows (GB/s).
 
 Every figure comes from this run, so the ratios compare like with like on a shared, noisy machine, and
 each of the ceiling, floor and stack figures is the best of several runs (3 for the ceilings, 2 for the floor and
@@ -51,6 +55,7 @@ from pathlib import Path
 from typing import Awaitable, Callable, Iterator
 
 import httpx
+import numba
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,6 +76,8 @@ GOAL_STACK_RATIO, LONG_CONTEXT = 0.85, 1024  # (c)
 BANDWIDTH_GIB, BANDWIDTH_GIB_QUICK, BANDWIDTH_RUNS = 2.0, 1.0, 5  # (c)
 C64_CONCURRENCY, C64_KV_SLOTS = 64, 32  # (d): 64 at once in the KV memory of 32 full-length sequences
 QUALITY_TOKENS, WEIGHT_ROUNDS, WEIGHT_ROUNDS_QUICK, WEIGHT_STEPS = 512, 5, 2, 16  # (w)
+CONTEXTS, GOAL_CONTEXT_RATIO = (32, 128, 1024, 4096), 0.6  # (l): goal at 1,024 against 32 (issue 29)
+CONTEXT_RUNS, CONTEXT_STEPS, CONTEXT_STEPS_QUICK = 3, 16, 8  # (l)
 
 
 def load_model(checkpoint: Path, dtype: str) -> torch.nn.Module:
@@ -240,7 +247,7 @@ async def stack_levels(base_url: str, model: str, concurrencies: list[int], quic
     return rows
 
 
-SCENARIOS = ("base", "a", "b", "c", "d", "w")
+SCENARIOS = ("base", "a", "b", "c", "d", "w", "l")
 
 
 def parse_only(value: str) -> list[str]:
@@ -388,6 +395,58 @@ def run_weights(engine_dir: Path, quick: bool) -> dict:
     return {"quality": quality, "steps": steps, "weights_read_mb": weight_mb, "torch_threads": torch.get_num_threads()}
 
 
+def run_contexts(engine_dir: Path, quick: bool) -> dict:
+    """(l): plain decode steps at batch 1 and 16 from each of CONTEXTS (32: after a 32-token prompt, as in
+    (c); else over the cache as it is, see `plain_decode_seconds`), rounds interleaved, each run with the
+    attention kernel timed (`scenarios.attention_timer`: a few µs per layer); of each (batch, context), the
+    run with the best wall time gives tok/s, its CPU time, and the kernel's ms per step and the GB/s at which
+    it read the K/V rows. The runner is the engine's with a KV pool for 16 sequences of the longest context
+    and max_seq_len raised to match if need be: positions past the checkpoint's max_position_embeddings
+    still time right (the rotary tables are computed per position)."""
+    base = EngineConfig.from_engine_dir(engine_dir / "engine")
+    steps = CONTEXT_STEPS_QUICK if quick else CONTEXT_STEPS
+    longest = max(CONTEXTS) + 3 + steps
+    per_sequence = -(-longest // base.kv_block_size) * base.kv_block_size
+    runner = LlamaRunner(dataclasses.replace(base, max_batch_size=16, max_seq_len=max(base.max_seq_len, longest),
+                                             kv_cache_tokens=16 * per_sequence))
+    start_of = {context: 0 if context == 32 else context for context in CONTEXTS}  # 32: a real 32-token prompt
+    runs: dict[tuple[int, int], list[tuple[float, float, dict]]] = {}
+    plain_decode_seconds(runner, 1, 1)  # loads (or compiles) the kernels before anything is timed
+    for _ in range(1 if quick else CONTEXT_RUNS):
+        for batch in (1, 16):
+            for context in CONTEXTS:
+                with scenarios.attention_timer() as attention:
+                    wall, cpu = plain_decode_seconds(runner, batch, steps, start_of[context])
+                runs.setdefault((batch, context), []).append((wall, cpu, attention))
+    layers = len(runner.layers)
+    kv_bytes_per_token = layers * 2 * runner.num_kv_heads * runner.head_dim * runner.k_cache[0].element_size()
+    figures: dict[str, dict[str, dict]] = {}
+    print(f"(l) plain decode steps by context ({base.dtype}, {layers} layers, KV {kv_bytes_per_token / 1024:.1f} KiB "
+          f"per position, in-place attention: {runner.in_place_decode}; torch threads {torch.get_num_threads()}, "
+          f"numba threads {numba.get_num_threads()}; best of {len(runs[(1, 32)])} runs of {steps} steps)")
+    print("| batch | context | tok/s | x of context 32 | step ms wall (CPU) | attention ms / step | K/V read GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in (1, 16):
+        rows: dict[str, dict] = {}
+        for context in CONTEXTS:
+            wall, cpu, attention = min(runs[(batch, context)], key=lambda run: run[0])
+            steps_run = attention["calls"] / layers  # the warm-up steps too, all at about this context
+            row = {"tok_per_s": round(batch * steps / wall, 1), "step_ms": round(wall / steps * 1e3, 2),
+                   "cpu_ms": round(cpu / steps * 1e3, 2),
+                   "kv_mb_per_step": round(kv_bytes_per_token * batch * context / 1e6, 1),
+                   "attention_ms_per_step": round(attention["seconds"] / steps_run * 1e3, 2) if steps_run else None,
+                   "kv_read_gb_per_s": round(attention["bytes"] / attention["seconds"] / 1e9, 2) if steps_run else None}
+            row["to_context_32"] = round(row["tok_per_s"] / rows["32"]["tok_per_s"], 3) if rows else 1.0
+            rows[str(context)] = row
+            print(f"| {batch} | {context} | {row['tok_per_s']} | {row['to_context_32']} | {row['step_ms']} "
+                  f"({row['cpu_ms']}) | {scenarios.fmt(row['attention_ms_per_step'], 2)} | "
+                  f"{scenarios.fmt(row['kv_read_gb_per_s'], 2)} |", flush=True)
+        figures[f"b{batch}"] = rows
+    return {"contexts": list(CONTEXTS), "steps": steps, "kv_bytes_per_token": kv_bytes_per_token,
+            "in_place_decode": runner.in_place_decode, "torch_threads": torch.get_num_threads(),
+            "numba_threads": numba.get_num_threads(), **figures}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine-dir", type=Path, default=Path("build/bench"),
@@ -397,19 +456,21 @@ def main(argv: list[str] | None = None) -> None:
                              "prefill), a (cached vs cold system prompt TTFT), b (16 users sharing a system "
                              "prompt, reuse on vs off), c (stack vs plain steps, batch-1 step vs memory bound), "
                              "d (c=64 in 32 slots' KV memory), w (int8 weights and bfloat16 against float32: "
-                             "quality, decode steps); default: all")
+                             "quality, decode steps), l (decode steps at contexts 32 to 4,096, attention GB/s); "
+                             "default: all")
     parser.add_argument("--c64-engine-dir", type=Path,
                         help="where (d) builds (or finds) its engine (default: ENGINE_DIR-c64)")
     parser.add_argument("--quick", action="store_true", help="fewer requests and steps")
     parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads of the no-server figures (default 0: torch's own choice, every core); "
-                             "1 on a shared machine, where a parallel team's waits for a busy core inflate both "
-                             "wall and CPU time")
+                        help="torch and numba threads of the no-server figures (default 0: their own choice, every "
+                             "core); 1 on a shared machine, where a parallel team's waits for a busy core inflate "
+                             "both wall and CPU time")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     only = set(args.only)
     if args.threads:
         torch.set_num_threads(args.threads)
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))  # the attention kernel's team
 
     engine_config = json.loads((args.engine_dir / "engine" / "engine_config.json").read_text())
     checkpoint, dtype = Path(engine_config["checkpoint_dir"]), engine_config["dtype"]
@@ -489,6 +550,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if "w" in only:
         guarded("w", results, lambda: run_weights(args.engine_dir, args.quick))
+    if "l" in only:
+        guarded("l", results, lambda: run_contexts(args.engine_dir, args.quick))
+        gc.collect()
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint) if only & {"base", "a", "b"} else None
     long_prompt = min(LONG_PROMPT, max_seq_len - 8)
@@ -660,6 +724,19 @@ def main(argv: list[str] | None = None) -> None:
                     f"{w['steps'][f'{name}_b{batch}']['wall_ms']} ({w['steps'][f'{name}_b{batch}']['cpu_ms']})"
                     for name in ("float32", "int8", "bfloat16")), ""))
 
+    if "l" in only:
+        l_figures = results.get("l", {})
+        out["l_contexts"] = l_figures
+        if failure(l_figures):
+            summary.append(("l", "decode steps by context", failure(l_figures) or "", ""))
+        else:
+            for batch in (1, 16):
+                by_context = l_figures[f"b{batch}"]
+                summary.append(("l", f"plain b{batch} tok/s at context 128 / 1024 / 4096, x of context 32",
+                                " / ".join(f"{by_context[str(c)]['tok_per_s']} ({by_context[str(c)]['to_context_32']}x)"
+                                           for c in CONTEXTS[1:]), f">= {GOAL_CONTEXT_RATIO}x at 1024"))
+                summary.append(("l", f"  b{batch} attention K/V read GB/s at context 1024 / 4096", " / ".join(
+                    scenarios.fmt(by_context[str(c)]["kv_read_gb_per_s"], 2) for c in (1024, 4096)), ""))
     if summary:
         print("\n| scenario | figure | value | goal |")
         print("|---|---|---|---|")

@@ -8,15 +8,18 @@
 - (d) `build_c64_engine`, `sampled_level`: 64 concurrent requests in the KV memory of 32 full-length
   sequences, with the engine's Prometheus metrics sampled during the level;
 - (w) `quality_tokens`, `logits_over`, `compare_logits`: the int8 engine's logits against float32's over
-  a fixed token set (top-1 agreement, max logit error); its speed is measured in engine_bench.
+  a fixed token set (top-1 agreement, max logit error); its speed is measured in engine_bench;
+- (l) `attention_timer`: what the decode-attention kernel takes of plain decode steps at long contexts, and
+  how fast it reads the K/V rows; the steps are measured in engine_bench.
 
-Except (w), everything here measures through the same OpenAI endpoint as the stack levels (`loadgen`), and reads the
-engine's metrics from Triton's metrics port, tolerating metrics the engine does not publish ("n/a").
+Except (w) and (l), everything here measures through the same OpenAI endpoint as the stack levels (`loadgen`),
+and reads the engine's metrics from Triton's metrics port, tolerating metrics the engine does not publish ("n/a").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -26,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import torch
@@ -398,3 +401,30 @@ def compare_logits(reference: torch.Tensor, other: torch.Tensor) -> dict[str, fl
     return {"positions": reference.shape[0],
             "top1_agreement": (other.argmax(-1) == reference.argmax(-1)).float().mean().item(),
             "max_abs_logit_error": error, "max_abs_logit": scale, "relative_max_error": error / scale}
+
+
+# ----- (l) decode attention at long contexts ------------------------------------------------------------------
+@contextlib.contextmanager
+def attention_timer() -> Iterator[dict[str, float]]:
+    """While open, every in-place decode-attention call of a runner (cpu_engine.runner's
+    `paged_decode_attention`; a bfloat16 runner gathers instead and makes none) is timed: yields running
+    totals {"calls", "seconds", "bytes"}, bytes being the K and V rows the calls read (sum of the rows'
+    lengths x 2 x kv_heads x head_dim x element size)."""
+    import cpu_engine.runner as runner_module
+
+    kernel = runner_module.paged_decode_attention
+    totals = {"calls": 0, "seconds": 0.0, "bytes": 0}
+
+    def timed(q, k_pool, v_pool, tables, lengths, block_size, scale):  # noqa: ANN001, ANN202: the kernel's
+        start = time.perf_counter()
+        out = kernel(q, k_pool, v_pool, tables, lengths, block_size, scale)
+        totals["seconds"] += time.perf_counter() - start
+        totals["calls"] += 1
+        totals["bytes"] += int(lengths.sum()) * 2 * k_pool.shape[1] * k_pool.shape[2] * k_pool.element_size()
+        return out
+
+    runner_module.paged_decode_attention = timed
+    try:
+        yield totals
+    finally:
+        runner_module.paged_decode_attention = kernel

@@ -3,11 +3,33 @@
 PyTorch has no CPU kernel that attends through a block table: with `F.scaled_dot_product_attention`, the
 blocks a decode step reads must first be gathered into one contiguous tensor per layer, which writes and
 then reads again every cached token of the batch (three passes over the KV bytes instead of one; at batch
-16 that copy measured a fifth to a quarter of a step, the issue allowed 5%). This kernel, compiled once by
-numba (cached on disk), reads each cached K and V row once where it lies: for each (sequence, KV head) it
-walks the sequence's positions block by block and uses each row for all the query heads of its GQA group.
-The softmax between the two passes is PyTorch's (its vectorised exp; numba's scalar exp, one per score,
-made long-context steps several times slower).
+16 that copy measured a fifth to a quarter of a step). This kernel, compiled by numba (cached on disk),
+reads each cached K and V row once where it lies, in one sweep (flash-decoding):
+
+- the work is cut into spans: a whole sequence, or a part of a long one (`span_positions`: cut so that a
+  batch of one, or one long sequence among short ones, still gives every thread work); spans run in
+  parallel (numba's OpenMP team, dynamic schedule), each keeping its running max, sum and weighted values,
+  and a serial pass merges a sequence's spans (log-sum-exp);
+- within a span, TILE positions at a time: the rows' places in the pool (one table lookup per block); q.k
+  for every query head, each K row read once for all the heads of its GQA group (the dot products
+  vectorised over head_dim); the online-softmax update, with an exp written so that LLVM vectorises it
+  (numba's exp is a scalar call per score, which made long contexts several times slower); then each V row
+  added, weighted, into the span's per-head accumulators.
+
+The model's shape (kv_heads, group, head_dim) reaches the kernels as tuples whose lengths are part of their
+numba type (`_shape_of`): each shape compiles (and caches) its own kernels, whose inner loops have constant
+trip counts, fully unrolled (from memory: ~10% faster on the `small` preset, ~35% on `tiny`, where loop
+overhead outweighs its 32-wide heads). A shape's first compile takes ~10 s (cached on disk after).
+
+Rows are read in pool order, one row per loop step, which the hardware prefetchers follow. Measured and
+dropped: reading two or four rows per step (fewer accumulator loads and stores; faster in cache, 30-40%
+slower from memory), explicit software prefetch (no gain), a two-pass variant with PyTorch's softmax
+between (slower from a few hundred positions on, and three parallel regions per layer instead of one), a
+C++ extension (the Docker image has no compiler). The limit here is instructions, not memory (one core
+sums memory at ~26 GB/s): on the 2-core AMD EPYC this was written on, one thread, inside decode steps
+(`python -m benchmarks.engine_bench --only l --threads 1`), K/V read at ~11-12 GB/s on `small` (the
+previous two-pass kernel ~5-7) and ~3.8 on `tiny` (~2; its 32-wide heads leave more loop overhead per
+byte); ~14.5 on `small` with the KV pool on huge pages (THP_MEM_ALLOC_ENABLE=1: fewer TLB misses).
 
 Decode only: a prompt chunk is compute-bound (every weight for every token of the chunk), so the gather
 its attention needs is small beside it and it keeps PyTorch's kernel. float32 only (numba has no
@@ -16,71 +38,277 @@ bfloat16); bfloat16 engines keep the gather.
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 import torch
 
+TILE = 128  # positions per online-softmax step: their scores for every head sit in a [heads, TILE] scratch
+MIN_SPAN = 256  # a sequence is cut into spans of at least this many positions (a span costs a merge)
+SPANS_PER_THREAD = 4  # target work items per thread when cutting long sequences, for the dynamic schedule
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _paged_scores(q: np.ndarray, k_pool: np.ndarray, tables: np.ndarray, lengths: np.ndarray, block_size: int,
-                  scale: float, scores: np.ndarray) -> None:  # pragma: no cover (numba-compiled)
-    # q [B, H, D]; k_pool [blocks x block_size, KVH, D]; scores [B, H, L] (L >= every length), filled with
-    # q.k x scale up to each row's length and -inf after it.
-    batch, heads, dim = q.shape
-    kv_heads = k_pool.shape[1]
-    group = heads // kv_heads
-    width = scores.shape[2]
-    for job in numba.prange(batch * kv_heads):
-        b = job // kv_heads
-        g = job % kv_heads
-        length = lengths[b]
-        for pos in range(length):
-            row = tables[b, pos // block_size] * block_size + pos % block_size
-            for h in range(group):
-                acc = np.float32(0.0)
+# Finite stand-in for minus infinity: the kernels keep fastmath's reassociation (vectorised reductions) but
+# not its no-infinities/no-NaNs assumptions, and never compare against an infinity.
+_LOWEST = np.float32(-3.0e38)
+_EXP_FLOOR = np.float32(-87.0)  # exp(-87) ~ 1.6e-38: the smallest normal float32 is 1.2e-38
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 in two parts (Cody-Waite): k x _LN2_HI is exact for |k| < 2^7
+_LN2_LO = np.float32(-2.12194440e-4)
+_FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}
+_JIT = dict(fastmath=_FASTMATH, boundscheck=False, nogil=True, error_model="numpy", cache=True)
+# The span's functions are inlined (numba IR) into the parallel loop's body: LLVM then sees the pools and the
+# accumulators as the distinct arrays they are (numba marks that body's array arguments noalias) and drops
+# the runtime overlap checks around every head_dim-long loop (`tiny`: ~1.5x; `small`: a few %).
+
+
+@functools.cache
+def _shape_of(kv_heads: int, group: int, head_dim: int) -> tuple[tuple, tuple, tuple]:
+    """The kernels' `shape` argument: tuples of kv_heads, group and head_dim Nones (see the module's doc)."""
+    return (None,) * kv_heads, (None,) * group, (None,) * head_dim
+
+
+@numba.njit(inline="always", **_JIT)
+def _exp_sum(x, n, shift, bits):  # pragma: no cover (numba-compiled, as every function below)
+    """x[:n] <- exp(x[:n] - shift) (shift >= every x: arguments <= 0), returns their sum. exp(r) on
+    [-ln2/2, ln2/2] by a degree-6 polynomial (Cephes' expf coefficients), times 2^k built in the exponent
+    bits; two plain loops LLVM vectorises."""
+    scale = bits.view(np.float32)
+    for i in range(n):
+        v = max(x[i] - shift, _EXP_FLOOR)
+        k = np.floor(v * _LOG2E + np.float32(0.5))
+        r = v - k * _LN2_HI - k * _LN2_LO
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        x[i] = p * r * r + r + np.float32(1.0)
+        bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    total = np.float32(0.0)
+    for i in range(n):
+        e = x[i] * scale[i]
+        x[i] = e
+        total += e
+    return total
+
+
+@numba.njit(inline="always", **_JIT)
+def _dot4(q0, q1, q2, q3, k, shape):  # pragma: no cover
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    for d in range(len(shape[2])):
+        kd = k[d]
+        a0 += q0[d] * kd
+        a1 += q1[d] * kd
+        a2 += q2[d] * kd
+        a3 += q3[d] * kd
+    return a0, a1, a2, a3
+
+
+@numba.njit(inline="always", **_JIT)
+def _dot2(q0, q1, k, shape):  # pragma: no cover
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    for d in range(len(shape[2])):
+        kd = k[d]
+        a0 += q0[d] * kd
+        a1 += q1[d] * kd
+    return a0, a1
+
+
+@numba.njit(inline="always", **_JIT)
+def _dot1(q0, k, shape):  # pragma: no cover
+    a0 = np.float32(0.0)
+    for d in range(len(shape[2])):
+        a0 += q0[d] * k[d]
+    return a0
+
+
+@numba.njit(inline="always", **_JIT)
+def _tile_scores(qb, k_pool, rows, first, n, scale, s, shape):  # pragma: no cover
+    """s[h, t] = scale x q_h . K[rows[first + t], h // group] for t < n. Each K row is read once for its
+    group's heads, four, two or one at a time (any group size)."""
+    kv_heads, group = len(shape[0]), len(shape[1])
+    for t in range(n):
+        k_row = k_pool[rows[first + t]]
+        for g in range(kv_heads):
+            k = k_row[g]
+            h = g * group
+            stop = h + group
+            while h + 4 <= stop:
+                a0, a1, a2, a3 = _dot4(qb[h], qb[h + 1], qb[h + 2], qb[h + 3], k, shape)
+                s[h, t] = a0 * scale
+                s[h + 1, t] = a1 * scale
+                s[h + 2, t] = a2 * scale
+                s[h + 3, t] = a3 * scale
+                h += 4
+            if h + 2 <= stop:
+                a0, a1 = _dot2(qb[h], qb[h + 1], k, shape)
+                s[h, t] = a0 * scale
+                s[h + 1, t] = a1 * scale
+                h += 2
+            if h < stop:
+                s[h, t] = _dot1(qb[h], k, shape) * scale
+
+
+@numba.njit(inline="always", **_JIT)
+def _tile_values(p, v_pool, rows, first, n, acc, shape):  # pragma: no cover
+    """acc[h] += sum over t < n of p[h, t] x V[rows[first + t], h // group], one V row per step."""
+    kv_heads, group, dim = len(shape[0]), len(shape[1]), len(shape[2])
+    for t in range(n):
+        v_row = v_pool[rows[first + t]]
+        for g in range(kv_heads):
+            v = v_row[g]
+            for h in range(g * group, g * group + group):
+                w = p[h, t]
+                out = acc[h]
                 for d in range(dim):
-                    acc += q[b, g * group + h, d] * k_pool[row, g, d]
-                scores[b, g * group + h, pos] = acc * scale
-        for h in range(group):
-            for pos in range(length, width):
-                scores[b, g * group + h, pos] = -np.inf
+                    out[d] += w * v[d]
 
 
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _paged_weighted_values(weights: np.ndarray, v_pool: np.ndarray, tables: np.ndarray, lengths: np.ndarray,
-                           block_size: int, out: np.ndarray) -> None:  # pragma: no cover (numba-compiled)
-    # weights [B, H, L] (softmax rows); out [B, H, D] = sum over positions of weight x V.
+@numba.njit(inline="always", **_JIT)
+def _attend_span(q, k_pool, v_pool, tables, b, start, end, block_size, scale, shape, m, l, acc):  # pragma: no cover
+    """Sequence b's positions [start, end): m [heads] <- max score, l [heads] <- sum of exp(score - m),
+    acc [heads, head_dim] <- sum of exp(score - m) x V."""
+    heads = len(shape[0]) * len(shape[1])
+    dim = len(shape[2])
+    qb = q[b]
+    span = end - start
+    rows = np.empty(span, np.int64)  # each position's row in the pool: one table lookup per block
+    t = 0
+    while t < span:
+        block = (start + t) // block_size
+        offset = start + t - block * block_size
+        run = min(block_size - offset, span - t)
+        first_row = tables[b, block] * block_size + offset
+        for u in range(run):
+            rows[t + u] = first_row + u
+        t += run
+    s = np.empty((heads, TILE), np.float32)
+    bits = np.empty(TILE, np.int32)
+    for h in range(heads):
+        m[h] = _LOWEST
+        l[h] = 0.0
+        for d in range(dim):
+            acc[h, d] = 0.0
+    for first in range(0, span, TILE):
+        n = min(TILE, span - first)
+        _tile_scores(qb, k_pool, rows, first, n, scale, s, shape)
+        for h in range(heads):
+            sh = s[h]
+            top = m[h]
+            for t in range(n):
+                top = max(top, sh[t])
+            total = _exp_sum(sh, n, top, bits)
+            if top > m[h] and m[h] > _LOWEST:  # a new max: rescale what the earlier tiles summed
+                alpha = np.float32(np.exp(m[h] - top))
+                l[h] = l[h] * alpha + total
+                out = acc[h]
+                for d in range(dim):
+                    out[d] *= alpha
+            else:
+                l[h] += total
+            m[h] = top
+        _tile_values(s, v_pool, rows, first, n, acc, shape)
+
+
+@numba.njit(parallel=True, **_JIT)
+def _attend_spans(q, k_pool, v_pool, tables, lengths, block_size, scale, span, kvs, groups, dims, m, l,
+                  acc):  # pragma: no cover
+    # The shape's tuples come apart: a parallel loop's body takes no nested tuple.
+    per_row = m.shape[1]
+    for job in numba.prange(q.shape[0] * per_row):
+        b = job // per_row
+        c = job - b * per_row
+        start = c * span
+        end = min(start + span, lengths[b])
+        if start < end:
+            _attend_span(q, k_pool, v_pool, tables, b, start, end, block_size, scale, (kvs, groups, dims), m[b, c],
+                         l[b, c], acc[b, c])
+
+
+@numba.njit(**_JIT)
+def _merge_spans(lengths, span, m, l, acc, out):  # pragma: no cover
+    """out[b, h] = the softmax-weighted mean of V over all of sequence b's spans (log-sum-exp merge)."""
     batch, heads, dim = out.shape
-    kv_heads = v_pool.shape[1]
-    group = heads // kv_heads
-    for job in numba.prange(batch * kv_heads):
-        b = job // kv_heads
-        g = job % kv_heads
-        for h in range(group):
+    for b in range(batch):
+        used = (lengths[b] + span - 1) // span
+        for h in range(heads):
+            top = m[b, 0, h]
+            for c in range(1, used):
+                top = max(top, m[b, c, h])
+            o = out[b, h]
+            w = np.float32(np.exp(m[b, 0, h] - top))
+            total = w * l[b, 0, h]
+            a = acc[b, 0, h]
             for d in range(dim):
-                out[b, g * group + h, d] = 0.0
-        for pos in range(lengths[b]):
-            row = tables[b, pos // block_size] * block_size + pos % block_size
-            for h in range(group):
-                weight = weights[b, g * group + h, pos]
+                o[d] = w * a[d]
+            for c in range(1, used):
+                w = np.float32(np.exp(m[b, c, h] - top))
+                total += w * l[b, c, h]
+                a = acc[b, c, h]
                 for d in range(dim):
-                    out[b, g * group + h, d] += weight * v_pool[row, g, d]
+                    o[d] += w * a[d]
+            inverse = np.float32(1.0) / total
+            for d in range(dim):
+                o[d] *= inverse
+
+
+@numba.njit(**_JIT)
+def span_positions(lengths, threads):  # pragma: no cover
+    """The longest span a sequence is cut into: the whole longest sequence on one thread; else about
+    SPANS_PER_THREAD spans per thread over the batch's positions, at least MIN_SPAN, in whole tiles."""
+    longest = 1
+    total = 0
+    for b in range(lengths.shape[0]):
+        longest = max(longest, lengths[b])
+        total += lengths[b]
+    if threads <= 1:
+        return longest
+    target = max((total + threads * SPANS_PER_THREAD - 1) // (threads * SPANS_PER_THREAD), MIN_SPAN)
+    return min((target + TILE - 1) // TILE * TILE, longest)
+
+
+@numba.njit(**_JIT)
+def _decode_attention(q, k_pool, v_pool, tables, lengths, block_size, scale, threads, shape, out):  # pragma: no cover
+    batch, heads, dim = q.shape
+    span = span_positions(lengths, threads)
+    longest = 0
+    for b in range(batch):
+        longest = max(longest, lengths[b])
+    per_row = (longest + span - 1) // span
+    m = np.empty((batch, per_row, heads), np.float32)
+    l = np.empty((batch, per_row, heads), np.float32)
+    acc = np.empty((batch, per_row, heads, dim), np.float32)
+    _attend_spans(q, k_pool, v_pool, tables, lengths, block_size, scale, span, shape[0], shape[1], shape[2], m, l, acc)
+    _merge_spans(lengths, span, m, l, acc, out)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                            lengths: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-    """softmax(q K^T x scale) V for each decode row over its first `lengths[b]` positions.
+    """softmax(q K^T x scale) V for each decode row over its first `lengths[b]` positions (each >= 1).
 
     q [B, heads, head_dim] float32; k_pool / v_pool [blocks x block_size, kv_heads, head_dim] (the runner's
     per-layer cache, written in place, shared without a copy); tables [B, max blocks] int64; lengths [B]
     int64. Returns [B, heads, head_dim].
     """
-    batch, heads, _ = q.shape
-    q = q.contiguous()
-    tables_np, lengths_np = tables.numpy(), lengths.numpy()
-    scores = torch.empty(batch, heads, tables.shape[1] * block_size, dtype=torch.float32)
-    _paged_scores(q.numpy(), k_pool.numpy(), tables_np, lengths_np, block_size, scale, scores.numpy())
-    weights = torch.softmax(scores, dim=-1)  # PyTorch's vectorised exp: numba's scalar one cost more than the rest
-    out = torch.empty_like(q)
-    _paged_weighted_values(weights.numpy(), v_pool.numpy(), tables_np, lengths_np, block_size, out.numpy())
+    batch, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[1]
+    out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
+    args = (q.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), tables.numpy(), lengths.numpy(), block_size,
+            np.float32(scale))
+    shape = _shape_of(kv_heads, heads // kv_heads, head_dim)
+    threads = numba.get_num_threads()
+    if threads == 1:
+        _decode_attention(*args, 1, shape, out.numpy())
+        return out
+    previous = numba.set_parallel_chunksize(1)  # dynamic schedule: spans differ in length (ragged batches)
+    try:
+        _decode_attention(*args, threads, shape, out.numpy())
+    finally:
+        numba.set_parallel_chunksize(previous)
     return out
