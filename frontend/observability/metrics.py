@@ -9,12 +9,12 @@ that one port carries the engine's gauges (Kubernetes: Triton listens on the pod
 from __future__ import annotations
 
 import asyncio
-from bisect import bisect_left
 import http.client
 import os
 import re
 import time
 import urllib.request
+from bisect import bisect_left
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess

@@ -41,7 +41,7 @@ CODER_TEXT = " 你好🚀👍"  # as the SentencePiece tokenizer spells it (its 
 # tokenizer turns the coder's tokens into this text
 STREAMS = 6
 LOAD_WAIT_S = 300  # for the looping streams' next answers: a bound for a hung stack, not a speed
-# The launcher's own shutdown is bounded (frontend drain 30 s + 10 s, Triton 15 s, leftovers 5 s); this is a bound
+# The launcher's own shutdown is bounded (frontend drain 30 s + 10 s, Triton 35 s, leftovers 5 s); this is a bound
 # for a hung launcher, not a speed: the tests read the log of a clean stop (Triton unloading its models).
 LAUNCHER_STOP_S = 300
 BUILD_FLAGS = ["--max-batch-size", "8", "--max-seq-len", "256"]
