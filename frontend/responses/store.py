@@ -39,6 +39,7 @@ of the stored JSON.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -49,7 +50,7 @@ from typing import Any, Callable
 from sqlalchemy import (BigInteger, Boolean, Column, Integer, MetaData, Table, Text, and_, case, delete,
                         event, exists, insert, select, text, update)
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 STATUSES = frozenset({"queued", "in_progress", "completed", "incomplete", "failed", "cancelled"})
@@ -225,6 +226,8 @@ class ResponseStore:
         store = cls(engine, ttl_days=ttl_days, max_bytes=max_bytes, clock=clock,
                     max_chain_length=max_chain_length)
         try:
+            if async_url.get_backend_name() == "sqlite":
+                await _use_write_ahead_log(engine)
             await store._migrate()
         except BaseException:
             await engine.dispose()
@@ -470,13 +473,34 @@ def _item_id(item: dict) -> str | None:
     return item_id if isinstance(item_id, str) else None
 
 
+async def _use_write_ahead_log(engine: AsyncEngine) -> None:
+    """Put the SQLite file in WAL mode, so readers never block the writer and processes can share it.
+
+    WAL is a property of the file, so this is done once per open, not per connection. Switching needs
+    the file to itself, and SQLite answers "database is locked" at once, without its busy wait, while
+    another connection holds it: several workers opening the store together do exactly that. So the
+    switch is retried (asynchronously: a blocking wait here would stall the event loop) for as long as
+    any other lock is waited for, SQLITE_BUSY_TIMEOUT_S."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SQLITE_BUSY_TIMEOUT_S
+    while True:
+        try:
+            async with engine.connect() as conn:
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                await conn.exec_driver_sql("PRAGMA journal_mode = WAL")
+            return
+        except OperationalError as error:
+            if "locked" not in str(error.orig) or loop.time() >= deadline:
+                raise
+            await asyncio.sleep(0.01)
+
+
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
-    """Each new SQLite connection: wait for locks instead of failing, WAL so readers never block the
-    writer (and the file can be shared by processes), cascading foreign keys (off by default)."""
+    """Each new SQLite connection: wait for locks instead of failing, cascading foreign keys (off by
+    default). (WAL mode belongs to the file: `_use_write_ahead_log` sets it once.)"""
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
-        cursor.execute("PRAGMA journal_mode = WAL")
         cursor.execute("PRAGMA synchronous = NORMAL")  # durable at each checkpoint; safe in WAL mode
         cursor.execute("PRAGMA foreign_keys = ON")
     finally:

@@ -445,7 +445,8 @@ async def test_another_process_cancels_what_this_one_runs(store: ResponseStore, 
 # ----- schema and URLs -----
 
 async def test_open_is_idempotent_and_records_the_schema_version(open_store: StoreFactory) -> None:
-    stores = await asyncio.gather(*(open_store() for _ in range(3)))  # workers starting together
+    # Workers starting together (on SQLite they race to switch the new file to WAL mode).
+    stores = await asyncio.gather(*(open_store() for _ in range(6)))
     await stores[0].create(record())
     again = await open_store()
     assert await again.get("alice", "resp_1") is not None
