@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from multiprocessing import resource_tracker
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -165,3 +166,16 @@ def serve(settings: Settings, argv: list[str]) -> int:
     finally:
         listener.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+        _stop_resource_tracker()
+
+
+def _stop_resource_tracker() -> None:
+    """Stop and reap the helper process that multiprocessing's spawn starts beside the workers.
+
+    It sits in this process group, ignores SIGTERM and exits only once every worker and this process have
+    closed its pipe, so without this it outlives the supervisor by a moment as an orphan, and whoever waits
+    for the group to empty (the launcher, the supervision tests) waits on init to reap it. The workers use
+    nothing it tracks. `_stop` is private (CPython's own tests call it), hence the guard."""
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()

@@ -25,6 +25,7 @@ import pytest
 
 from benchmarks.servers import stop_process, wait_http_ok
 from launcher.ports import find_free_port
+from launcher.tritonserver import group_alive
 from tests.integration.conftest import Stack, start_frontend, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -176,3 +177,5 @@ async def test_sigterm_drains_every_worker_and_leaves_no_process(stack: Stack,
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+        # Nothing of the supervisor's is left in its group either (multiprocessing's resource tracker was).
+        assert not group_alive(served.process.pid)

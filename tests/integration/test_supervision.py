@@ -136,6 +136,20 @@ class Launcher:
     def log(self) -> str:
         return self.output.read_text(errors="replace")
 
+    def survivors(self) -> dict[int, list[str]]:
+        """The recorded process groups still alive: pgid -> "pid state command" of each member."""
+        members: dict[int, list[str]] = {pgid: [] for pgid in self.groups if group_alive(pgid)}
+        for entry in Path("/proc").iterdir():
+            try:
+                stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+            except OSError:
+                continue
+            if stat:
+                state, _ppid, pgid = stat[stat.rindex(")") + 2:].split()[:3]
+                if int(pgid) in members:
+                    members[int(pgid)].append(f"{entry.name} {state} {stat[stat.index('(') + 1:stat.rindex(')')]}")
+        return members
+
     async def wait_for_line(self, text: str, timeout_s: float) -> None:
         """Until the launcher has printed `text` (its own lines mark where supervision stands)."""
         deadline = time.monotonic() + timeout_s
@@ -244,7 +258,7 @@ async def test_launcher_restarts_what_dies_and_gives_up_past_its_budget(
         assert "error: tritonserver (pid" in text and "was killed by SIGKILL (code -9)" in text
         assert f"(MAX_RESTARTS_PER_MINUTE={MAX_RESTARTS}); giving up" in text
         assert "--- end of log ---" in text  # Triton's log tail came with it
-        assert not any(group_alive(pgid) for pgid in launcher.groups), "a process group outlived the launcher"
+        assert not launcher.survivors(), f"process groups outlived the launcher: {launcher.survivors()}"
         assert not launcher.shm_regions(), "killed tritonservers' shared memory left behind"
     except BaseException:
         print(f"----- launcher output ({launcher.output}) -----\n{log()[-30000:]}")  # shown with the failure
@@ -285,7 +299,7 @@ async def test_sighup_reaches_a_restarted_frontend_and_sigterm_stops_everything_
         launcher.process.send_signal(signal.SIGTERM)
         assert launcher.process.wait(60) == 0
         assert "Shutting down ..." in launcher.log()
-        assert not any(group_alive(pgid) for pgid in launcher.groups), "a process group outlived the launcher"
+        assert not launcher.survivors(), f"process groups outlived the launcher: {launcher.survivors()}"
         assert not launcher.shm_regions(), "killed tritonservers' shared memory left behind"
     except BaseException:
         print(f"----- launcher output ({launcher.output}) -----\n{launcher.log()[-30000:]}")
