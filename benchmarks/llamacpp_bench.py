@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from benchmarks import servers
+from benchmarks import report, servers
 
 DEFAULT_LLAMA_CPP = servers.REPO_ROOT / "build" / "llama.cpp"
 CONCURRENCIES = (1, 16)
@@ -323,35 +323,35 @@ def _f(value: float | None, digits: int = 0) -> str:
 
 
 def ratio_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    lines = ["| ours vs llama.cpp | conc | ours tok/s | llama.cpp tok/s | **ratio** | ratio each round | "
-             "ours CPU µs/token | llama.cpp CPU µs/token | CPU ratio | "
-             "quiet levels: ratio (ours, llama.cpp levels) |",
-             "|---|--:|--:|--:|--:|---|--:|--:|--:|--:|"]
-    for r in rows:
-        lines.append(f"| {r['format']} vs {r['gguf']} | {r['concurrency']} | {_f(r['ours_tok_per_s'], 1)} | "
-                     f"{_f(r['llama_tok_per_s'], 1)} | **{_f(r['tok_per_s_ratio'], 2)}** | "
-                     f"{', '.join(f'{x:.2f}' for x in r['tok_per_s_ratio_per_round'])} | "
-                     f"{_f(r['ours_cpu_us_per_token'])} | {_f(r['llama_cpu_us_per_token'])} | "
-                     f"{_f(r['cpu_per_token_ratio'], 2)} | {_f(r.get('quiet_ratio'), 2)} "
-                     f"({', '.join(map(str, r.get('quiet_levels', ())))}) |")
-    return "\n".join(lines)
+    columns = [("ours vs llama.cpp", "l"), ("conc", "r"), ("ours tok/s", "r"), ("llama.cpp tok/s", "r"),
+               ("**ratio**", "r"), ("ratio each round", "l"), ("ours CPU µs/token", "r"),
+               ("llama.cpp CPU µs/token", "r"), ("CPU ratio", "r"),
+               ("quiet levels: ratio (ours, llama.cpp levels)", "r")]
+    return report.markdown_table(columns, (
+        [f"{r['format']} vs {r['gguf']}", str(r["concurrency"]), _f(r["ours_tok_per_s"], 1),
+         _f(r["llama_tok_per_s"], 1), f"**{_f(r['tok_per_s_ratio'], 2)}**",
+         ", ".join(f"{x:.2f}" for x in r["tok_per_s_ratio_per_round"]), _f(r["ours_cpu_us_per_token"]),
+         _f(r["llama_cpu_us_per_token"]), _f(r["cpu_per_token_ratio"], 2),
+         f"{_f(r.get('quiet_ratio'), 2)} ({', '.join(map(str, r.get('quiet_levels', ())))})"]
+        for r in rows))
 
 
 def median_table(summary: Sequence[Mapping[str, Any]]) -> str:
-    lines = ["| target | conc | rounds | tok/s (median) | every round | TTFT p50 ms | ITL p50 ms | frontend | "
-             "tritonserver | engine | other models | llama-server | **server** | loadgen | load avg 1m | "
-             "others' cores | quiet levels: tok/s (n) | errors / wrong length |",
-             "|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    columns = [("target", "l"), ("conc", "r"), ("rounds", "r"), ("tok/s (median)", "r"), ("every round", "l"),
+               *((title, "r") for title in ("TTFT p50 ms", "ITL p50 ms", "frontend", "tritonserver", "engine",
+                                            "other models", "llama-server", "**server**", "loadgen", "load avg 1m",
+                                            "others' cores", "quiet levels: tok/s (n)", "errors / wrong length"))]
+    rows = []
     for m in summary:
         us = m["cpu_us_per_token"]
-        lines.append(f"| {m['target']} | {m['concurrency']} | {m['rounds']} | {_f(m['output_tok_per_s'], 1)} | "
-                     f"{', '.join(_f(x, 1) for x in m['output_tok_per_s_all'])} | {_f(m['ttft_p50_ms'])} | "
-                     f"{_f(m['itl_p50_ms'], 1)} | {_f(us.get('frontend'))} | {_f(us.get('tritonserver'))} | "
-                     f"{_f(us.get('engine'))} | {_f(us.get('other_models'))} | {_f(us.get('llama-server'))} | "
-                     f"**{_f(us.get('server'))}** | {_f(us.get('loadgen'))} | {_f(m['loadavg_1m'], 1)} | "
-                     f"{_f(m.get('others_cores'), 2)} | {_f(m.get('quiet_tok_per_s'), 1)} "
-                     f"({m.get('quiet_levels', 0)}) | {m['errors']} / {m['wrong_length']} |")
-    return "\n".join(lines)
+        rows.append([m["target"], str(m["concurrency"]), str(m["rounds"]), _f(m["output_tok_per_s"], 1),
+                     ", ".join(_f(x, 1) for x in m["output_tok_per_s_all"]), _f(m["ttft_p50_ms"]),
+                     _f(m["itl_p50_ms"], 1), _f(us.get("frontend")), _f(us.get("tritonserver")),
+                     _f(us.get("engine")), _f(us.get("other_models")), _f(us.get("llama-server")),
+                     f"**{_f(us.get('server'))}**", _f(us.get("loadgen")), _f(m["loadavg_1m"], 1),
+                     _f(m.get("others_cores"), 2), f"{_f(m.get('quiet_tok_per_s'), 1)} ({m.get('quiet_levels', 0)})",
+                     f"{m['errors']} / {m['wrong_length']}"])
+    return report.markdown_table(columns, rows)
 
 
 def cpu_description(cpuinfo: str | None = None) -> dict[str, Any]:

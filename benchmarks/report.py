@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 RATIO_FIELDS = (("output_tok_per_s", None, "out tok/s"), ("req_per_s", None, "req/s"),
                 ("ttft_ms", "p50", "TTFT p50"), ("ttft_ms", "p99", "TTFT p99"),
@@ -36,26 +36,30 @@ def _f(v: Any, nd: int = 1) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
 
 
+def markdown_table(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence[str]]) -> str:
+    """A Markdown table: `columns` are (title, alignment: "l" or "r"), each row its cells already formatted."""
+    head = "| " + " | ".join(title for title, _ in columns) + " |"
+    rule = "|" + "|".join("---" if align == "l" else "--:" for _, align in columns) + "|"
+    return "\n".join([head, rule, *("| " + " | ".join(row) + " |" for row in rows)])
+
+
 def results_table(results: list[dict[str, Any]]) -> str:
-    lines = ["| target | conc | requests | errors | out tok/s | req/s | TTFT p50 / p90 / p99 (ms) | "
-             "ITL p50 / p90 / p99 (ms) | E2E p50 / p90 / p99 (ms) | tokens/req |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for r in results:
-        t, i, e = r["ttft_ms"], r["itl_ms"], r["e2e_ms"]
-        lines.append(
-            f"| {r['target']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {_f(r['output_tok_per_s'])} | "
-            f"{_f(r['req_per_s'], 2)} | {_f(t['p50'], 0)} / {_f(t['p90'], 0)} / {_f(t['p99'], 0)} | "
-            f"{_f(i['p50'])} / {_f(i['p90'])} / {_f(i['p99'])} | {_f(e['p50'], 0)} / {_f(e['p90'], 0)} / "
-            f"{_f(e['p99'], 0)} | {_f(r['output_tokens_per_request'])} |")
-    return "\n".join(lines)
+    columns = [("target", "l"), *((title, "r") for title in (
+        "conc", "requests", "errors", "out tok/s", "req/s", "TTFT p50 / p90 / p99 (ms)", "ITL p50 / p90 / p99 (ms)",
+        "E2E p50 / p90 / p99 (ms)", "tokens/req"))]
+    return markdown_table(columns, (
+        [r["target"], str(r["concurrency"]), str(r["requests"]), str(r["errors"]), _f(r["output_tok_per_s"]),
+         _f(r["req_per_s"], 2), " / ".join(_f(r["ttft_ms"][p], 0) for p in ("p50", "p90", "p99")),
+         " / ".join(_f(r["itl_ms"][p]) for p in ("p50", "p90", "p99")),
+         " / ".join(_f(r["e2e_ms"][p], 0) for p in ("p50", "p90", "p99")), _f(r["output_tokens_per_request"])]
+        for r in results))
 
 
 def ratio_table(rows: list[dict[str, Any]]) -> str:
     labels = [label for _, _, label in RATIO_FIELDS]
-    lines = ["| ratio | conc | " + " | ".join(labels) + " |", "|---|--:|" + "--:|" * len(labels)]
-    for row in rows:
-        lines.append(f"| {row['of']} | {row['concurrency']} | " + " | ".join(_f(row[label], 2) for label in labels) + " |")
-    return "\n".join(lines)
+    return markdown_table([("ratio", "l"), ("conc", "r"), *((label, "r") for label in labels)],
+                          ([row["of"], str(row["concurrency"]), *(_f(row[label], 2) for label in labels)]
+                           for row in rows))
 
 
 def plot(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
