@@ -120,11 +120,15 @@ class EngineHealth:
             return Problem(f"Triton's repository index is not answering ({exc})")
         states = {name: {e.get("state", "") for e in entries} for name, entries in index.items()}
         ready = {name for name, found in states.items() if "READY" in found}
-        loading = {name for name, found in states.items() if "LOADING" in found}
+        # A version LOADING or UNLOADING is a transition someone asked for (a swap rollout unloads the old
+        # version before it loads the new one, which takes a while on a busy machine); a crash leaves versions
+        # UNAVAILABLE. Reloading during an unload loaded a version beside the one still unloading, and that
+        # one never finished (its stub hung in teardown): the swap rollout then waited forever.
+        in_transition = {name for name, found in states.items() if found & {"LOADING", "UNLOADING"}}
         # Expected: what was ready during this run, and the engine models Triton has tried to load (a model
         # built while serving has no state until a rollout loads it).
         self._seen |= ready | {name for name in self._engine_models() if states.get(name, {""}) - {""}}
-        missing = sorted(self._seen - ready - loading)
+        missing = sorted(self._seen - ready - in_transition)
         if missing:
             states = "; ".join(f"{name}: " + ", ".join(f"{e.get('state') or 'not loaded'} {e.get('reason', '')}".strip()
                                                       for e in index.get(name, [{}])) for name in missing)

@@ -266,6 +266,15 @@ async def test_rollout_and_rollback_under_load_drop_nothing(served: Served, stac
     assert set(answers) <= {V1_TEXT, V2_TEXT} and after == [V1_TEXT] * STREAMS
     assert set(coder) == {CODER_TEXT}, coder
     assert chat(served, ASSISTANT) == V1_TEXT
+    assert_clean_unloads((served.build / "logs" / "tritonserver.log").read_text())
+
+
+def assert_clean_unloads(log: str) -> None:
+    """Every unloaded version's stub exited cleanly: its metric families were released in finalize(), not in
+    the interpreter's shutdown, where they segfaulted the stub at every unload (and once hung it, leaving the
+    version UNLOADING for good)."""
+    assert "successfully unloaded" in log
+    assert "Segfault encountered" not in log, log[max(0, log.index("Segfault encountered") - 2000):][:6000]
 
 
 def test_a_version_that_fails_to_load_leaves_the_live_one_serving(served: Served, stack: Stack) -> None:

@@ -334,6 +334,7 @@ def _build_model_class() -> type:
                 description="contract double: guides that failed to compile in the engine (each failed the batch)")
             self.guide_failures = self._guide_failures_family.Metric(
                 labels={"model": args["model_name"], "version": args["model_version"]})
+            production.never_destroyed(self._guide_failures_family, self.guide_failures)
 
         def _make_sink(self, sender, streaming, prompt, exclude_input, top_logprobs, outputs):
             if self._pending is None:

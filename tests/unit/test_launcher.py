@@ -20,7 +20,7 @@ import pytest
 
 import launcher.__main__ as launcher_main
 import launcher.mpi as launcher_mpi
-from launcher.engine_health import Problem
+from launcher.engine_health import EngineHealth, Problem
 from launcher.ports import PortInUseError, check_ports_free, find_free_port
 from launcher.supervise import RestartBudget, RestartBudgetExceeded, Supervisor, describe_exit
 from launcher.tritonserver import (TritonServer, TritonStartError, find_tritonserver, group_alive,
@@ -432,6 +432,26 @@ def test_a_killed_server_leaves_no_shared_memory_after_stop(work_dir: Path, tmp_
 UNLOADED = Problem("model(s) no longer loaded (m: UNAVAILABLE unloaded)", ("m",))
 DEAD_STUB = Problem("the engine model 'm' no longer serves: Stub process 'm_0_0' is not healthy.", definitive=True)
 NOT_ANSWERING = Problem("Triton's repository index is not answering (connection refused)")
+
+
+def test_a_version_unloading_or_loading_is_a_transition_not_a_lost_model() -> None:
+    """A swap rollout unloads the old version before loading the new one: the model has no READY version
+    meanwhile, and reloading it then broke the unload. Only a model with no version READY, LOADING or
+    UNLOADING is missing."""
+    indexes = iter([
+        {"assistant": [{"name": "assistant", "version": "1", "state": "READY"}]},
+        {"assistant": [{"name": "assistant", "version": "1", "state": "UNLOADING"}]},
+        {"assistant": [{"name": "assistant", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"},
+                       {"name": "assistant", "version": "2", "state": "LOADING"}]},
+        {"assistant": [{"name": "assistant", "version": "2", "state": "UNAVAILABLE", "reason": "stub died"}]},
+    ])
+    health = EngineHealth("127.0.0.1:1", "key", lambda: ["assistant"], probe=lambda url, model: None)
+    health._index = lambda: next(indexes)  # type: ignore[method-assign]
+    assert health.check() is None  # READY
+    assert health.check() is None  # its only version unloading: a swap under way
+    assert health.check() is None  # the next version loading
+    problem = health.check()
+    assert problem is not None and problem.missing == ("assistant",) and "stub died" in problem.reason
 
 
 def test_a_model_gone_gets_its_grace_then_a_reload_and_is_running_again_once_it_serves() -> None:

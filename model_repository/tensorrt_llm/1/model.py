@@ -45,6 +45,7 @@ reports it not ready where it can. Measured with the tritonserver 2.51 of the nv
 
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -262,6 +263,20 @@ class TritonSink:
         self.channel.send(self.sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), FINAL)
 
 
+def never_destroyed(*objects: object) -> None:
+    """Keep Python-backend metric objects alive until the stub process ends, on purpose.
+
+    Their teardown is broken in this Triton (2.51): destroyed by the interpreter's shutdown after finalize()
+    (MetricFamily::~MetricFamily -> Metric::Clear -> SaveToSharedMemory, once the stub's shared memory is
+    gone) they segfaulted the stub at every unload of this model; destroyed in finalize() instead (metrics
+    first, then families) they corrupted the heap ("malloc(): unaligned fastbin chunk detected"). With a
+    reference no one releases, no destructor runs: the process exits with them. What is lost was lost
+    before: the stub never told Triton to drop the series, so an unloaded version's last values stay on
+    Triton's metrics port. tests/integration/test_model_versions.py checks that unloads are clean."""
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 class EngineMetrics:
     """The engine's state as Triton custom metrics, served on Triton's metrics port next to nv_*."""
 
@@ -301,6 +316,7 @@ class EngineMetrics:
             for field, text in fields.items()}
         self._gauges = {field: self._families[field].Metric(labels=labels) for field in self.GAUGES}
         self._counters = {field: self._families[field].Metric(labels=labels) for field in self.COUNTERS}
+        never_destroyed(*self._families.values(), *self._gauges.values(), *self._counters.values())
         self._counted = dict.fromkeys(self.COUNTERS, 0)
 
     def publish(self, stats: EngineStats) -> None:
