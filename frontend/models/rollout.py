@@ -47,6 +47,7 @@ def _conflict(message: str, code: str) -> OpenAIError:
 
 SWAP = "swap"  # the `rollout_strategy` parameter that makes a rollout unload the old version first
 UNLOAD_POLL_S = 0.1
+INDEX_SILENCE_S = 120.0  # how long an unload waits for a repository index that does not answer
 
 
 def _load_failed(name: str, target: int, reason: str, serving: int | None) -> OpenAIError:
@@ -276,9 +277,22 @@ class Rollouts:
 
     async def _unload(self, name: str) -> None:
         """Unload every version of `name` and wait until Triton holds none of them any more (its GPU memory
-        is free only then)."""
+        is free only then). An index that does not answer in time is a busy Triton, not a failed unload: the
+        wait goes on, up to INDEX_SILENCE_S without any answer (a swap that gave up here would leave the
+        model with no version loaded)."""
         await self._triton.unload_model(name)
-        while {"READY", "UNLOADING"} & set((await self._triton.model_index()).get(name, {}).values()):
+        heard = time.monotonic()
+        while True:
+            try:
+                states = set((await self._triton.model_index()).get(name, {}).values())
+            except OpenAIError:
+                if time.monotonic() - heard > INDEX_SILENCE_S:
+                    raise
+                log.warning("model %s: Triton's repository index did not answer; still waiting for the unload", name)
+                continue
+            heard = time.monotonic()
+            if not {"READY", "UNLOADING"} & states:
+                return
             await asyncio.sleep(UNLOAD_POLL_S)
 
     async def _restore(self, model: model_store.ManagedModel, live: int) -> int | None:

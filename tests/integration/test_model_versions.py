@@ -27,6 +27,7 @@ import openai
 import pytest
 
 from benchmarks.servers import wait_http_ok
+from frontend.settings import Settings
 from launcher.ports import find_free_port
 from tests.integration.conftest import REPO_ROOT, Stack
 from tests.integration.scripted_model import CHAT_MESSAGES, _chain, write_scripted_checkpoint
@@ -40,6 +41,7 @@ V1_TEXT, V2_TEXT = "Version one.", "Second build!"
 CODER_TEXT = " 你好🚀👍"  # as the SentencePiece tokenizer spells it (its `▁` is a space): only the coder's own
 # tokenizer turns the coder's tokens into this text
 STREAMS = 6
+HELD_REQUEST_WAIT_S = Settings.model_fields["rollout_hold_s"].default + 60
 LOAD_WAIT_S = 300  # for the looping streams' next answers: a bound for a hung stack, not a speed
 # The launcher's own shutdown is bounded (frontend drain 30 s + 10 s, Triton 35 s, leftovers 5 s); this is a bound
 # for a hung launcher, not a speed: the tests read the log of a clean stop (Triton unloading its models).
@@ -173,7 +175,9 @@ async def loop_streams(served: Served, model: str, stop: asyncio.Event, progress
     """Stream the chat request again and again until `stop`; every answer, or what went wrong, and a
     `progress` notification after each."""
     body = {"model": model, "messages": CHAT_MESSAGES, "temperature": 0, "max_tokens": 32, "stream": True}
-    async with httpx.AsyncClient(timeout=120) as client:
+    # A request held by a swap waits up to the server's rollout_hold_s (then gets a 503, a failure here): the
+    # client waits longer, so that a slow swap on a busy machine is not taken for a lost request.
+    async with httpx.AsyncClient(timeout=HELD_REQUEST_WAIT_S) as client:
         while not stop.is_set():
             try:
                 async with client.stream("POST", f"{served.root}/v1/chat/completions", json=body) as response:

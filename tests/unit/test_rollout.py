@@ -11,7 +11,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from build_engine import model_store
-from frontend.openai.errors import OpenAIError
+from frontend.openai.errors import OpenAIError, service_unavailable
 from frontend.models.registry import ModelContext, ModelRegistry, VersionEngine
 from frontend.models.rollout import FleetMember, Rollouts
 from frontend.settings import Settings
@@ -403,6 +403,26 @@ async def test_a_swap_that_fails_to_load_serves_the_old_version_again(setup) -> 
     assert triton.loads == [([], None), ([3], 3), ([], None), ([1], 1)]
     assert model.loaded_versions() == [1] and model.live_link_target() == 1
     assert model.state() == {"live": 1, "previous": None} and (await registry.get(NAME)).version == "1"
+
+
+async def test_a_swap_waits_through_a_repository_index_that_does_not_answer(setup) -> None:
+    """A busy Triton may not answer its index within the client's timeout while the old version unloads: the swap
+    goes on waiting; before, it gave up, and its restore gave up the same way, leaving no version loaded."""
+    model, triton, registry = setup
+    triton.strategy = "swap"
+    await registry.get(NAME)
+    index, silent = triton.model_index, [3]
+
+    async def busy() -> dict[str, dict[str, str]]:
+        if silent[0]:
+            silent[0] -= 1
+            raise service_unavailable("the inference server's repository index is not answering: Deadline Exceeded")
+        return await index()
+
+    triton.model_index = busy  # type: ignore[method-assign]
+    result = await Rollouts(registry, triton, grace_s=5).rollout(NAME, 2)  # type: ignore[arg-type]
+    assert silent == [0] and triton.loads == [([], None), ([2], 2)]
+    assert (result["live_version"], result["previous_version"]) == (2, 1) and model.loaded_versions() == [2]
 
 
 async def test_a_held_request_gives_up_with_a_503_after_rollout_hold_s(setup, tmp_path: Path) -> None:
