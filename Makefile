@@ -1,4 +1,4 @@
-# make engine | serve | rollout | rollback | test | bench | bench-pa | bench-frontend | bench-overhead   (see README.md)
+# make engine | serve | rollout | rollback | test | bench | bench-pa | bench-frontend | bench-grpc-client | bench-overhead   (see README.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +18,7 @@ NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-version
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)
 
-.PHONY: install engine serve rollout rollback test soak bench bench-pa bench-frontend bench-overhead clean lint
+.PHONY: install engine serve rollout rollback test soak bench bench-pa bench-frontend bench-grpc-client bench-overhead clean lint
 
 # A venv with every role's pinned dependencies; rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -72,6 +72,12 @@ bench-frontend: install
 	$(PY) -m build_engine --if-missing --preset tiny --output-dir $(BUILD)/bench-frontend
 	$(PY) -m benchmarks.frontend_bench --model-repository $(BUILD)/bench-frontend/model_repository \
 		--work-dir $(BUILD)/bench-frontend $(QUICK_FLAG) $(if $(FRONTEND_WORKERS),--frontend-workers $(FRONTEND_WORKERS))
+
+# The gRPC read alone, per message (benchmarks/README.md, "The transport's own floor").
+bench-grpc-client: install
+	$(PY) -m build_engine --if-missing --preset tiny --output-dir $(BUILD)/bench-frontend
+	$(PY) -m benchmarks.grpc_client_bench --model-repository $(BUILD)/bench-frontend/model_repository \
+		--work-dir $(BUILD)/bench-frontend
 
 # The overhead-bound stack (benchmarks/README.md, "Overhead-bound stack"): the real stack on the tiny engine, 32
 # streaming chats of 64 tokens, tok/s and CPU µs per output token of each process, medians of ROUNDS rounds.
