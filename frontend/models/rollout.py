@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Protocol
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from tritonclient.utils import InferenceServerException
 
@@ -47,7 +47,8 @@ def _conflict(message: str, code: str) -> OpenAIError:
 
 SWAP = "swap"  # the `rollout_strategy` parameter that makes a rollout unload the old version first
 UNLOAD_POLL_S = 0.1
-INDEX_SILENCE_S = 120.0  # how long an unload waits for a repository index that does not answer
+INDEX_SILENCE_S = 120.0  # how long a rollout asks again a Triton that does not answer in time
+T = TypeVar("T")
 
 
 def _load_failed(name: str, target: int, reason: str, serving: int | None) -> OpenAIError:
@@ -260,9 +261,7 @@ class Rollouts:
         try:
             await self._unload(name)
             await self._triton.load_model(name)
-            if not await self._triton.is_ready(name, str(target)):
-                raise RuntimeError(f"Triton does not report version {target} ready after loading it")
-            context = await self._registry.load_version(name, target)
+            context = await self._loaded(name, target)
         except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, RuntimeError,
                 KeyError, ValueError) as exc:
             reason = _reason(exc)
@@ -277,23 +276,32 @@ class Rollouts:
 
     async def _unload(self, name: str) -> None:
         """Unload every version of `name` and wait until Triton holds none of them any more (its GPU memory
-        is free only then). An index that does not answer in time is a busy Triton, not a failed unload: the
-        wait goes on, up to INDEX_SILENCE_S without any answer (a swap that gave up here would leave the
-        model with no version loaded)."""
+        is free only then)."""
         await self._triton.unload_model(name)
-        heard = time.monotonic()
+        while {"READY", "UNLOADING"} & set((await self._patiently(self._triton.model_index)).get(name, {}).values()):
+            await asyncio.sleep(UNLOAD_POLL_S)
+
+    async def _loaded(self, name: str, version: int) -> ModelContext:
+        """`version` of `name`, which Triton has just loaded: checked READY in its index, then its context."""
+        if (await self._patiently(self._triton.model_index)).get(name, {}).get(str(version)) != READY:
+            raise RuntimeError(f"Triton does not report version {version} ready after loading it")
+        return await self._patiently(lambda: self._registry.load_version(name, version))
+
+    @staticmethod
+    async def _patiently(ask: Callable[[], Awaitable[T]]) -> T:
+        """`ask()`, asked again while Triton does not answer in time (a 503), for up to INDEX_SILENCE_S. A
+        busy Triton (loading an engine on a loaded machine) may miss the client's deadline: that is not a
+        failed load, and a rollout that took it for one would unload what had just loaded, restore the old
+        version the same way and leave the model with no version at all."""
+        started = time.monotonic()
         while True:
             try:
-                states = set((await self._triton.model_index()).get(name, {}).values())
-            except OpenAIError:
-                if time.monotonic() - heard > INDEX_SILENCE_S:
+                return await ask()
+            except OpenAIError as exc:
+                if exc.status != 503 or time.monotonic() - started > INDEX_SILENCE_S:
                     raise
-                log.warning("model %s: Triton's repository index did not answer; still waiting for the unload", name)
-                continue
-            heard = time.monotonic()
-            if not {"READY", "UNLOADING"} & states:
-                return
-            await asyncio.sleep(UNLOAD_POLL_S)
+                log.warning("Triton did not answer in time (%s); asking again", exc.message)
+                await asyncio.sleep(UNLOAD_POLL_S)
 
     async def _restore(self, model: model_store.ManagedModel, live: int) -> int | None:
         """After a failed swap: `live` loaded and routed again; the version serving (None if even it fails)."""
@@ -303,11 +311,11 @@ class Rollouts:
         try:
             await self._unload(model.name)  # whatever of the failed version did load
             await self._triton.load_model(model.name)
-            await self._registry.switch(await self._registry.load_version(model.name, live))
+            await self._registry.switch(await self._loaded(model.name, live))
             await self._fleet.switch(model.name, str(live), None, self._grace_s)
             return live
-        except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, KeyError,
-                ValueError) as exc:  # the registry's repair loads it again later; readiness says 503 meanwhile
+        except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, RuntimeError,
+                KeyError, ValueError) as exc:  # the registry's repair loads it again later; readiness says 503 meanwhile
             log.error("model %s: version %d did not load again either: %s", model.name, live, _reason(exc))
             return None
 
@@ -332,9 +340,7 @@ class Rollouts:
             model.point_live_link(target)
         try:
             await self._triton.load_model(name)
-            if not await self._triton.is_ready(name, str(target)):
-                raise RuntimeError(f"Triton does not report version {target} ready after loading it")
-            return await self._registry.load_version(name, target)
+            return await self._loaded(name, target)
         except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, RuntimeError,
                 KeyError, ValueError) as exc:
             reason = _reason(exc)
