@@ -29,7 +29,8 @@ C++ extension (the Docker image has no compiler). The limit here is instructions
 sums memory at ~26 GB/s): on the 2-core AMD EPYC this was written on, one thread, inside decode steps
 (`python -m benchmarks.engine_bench --only l --threads 1`), K/V read at ~11-12 GB/s on `small` (the
 previous two-pass kernel ~5-7) and ~3.8 on `tiny` (~2; its 32-wide heads leave more loop overhead per
-byte); ~14.5 on `small` with the KV pool on huge pages (THP_MEM_ALLOC_ENABLE=1: fewer TLB misses).
+byte); ~14.5 on `small` with the KV pool on huge pages (fewer TLB misses: the runner's pool asks for them,
+cpu_engine/runner.py kv_pool).
 
 Decode only: a prompt chunk is compute-bound (every weight for every token of the chunk), so the gather
 its attention needs is small beside it and it keeps PyTorch's kernel. float32 only (numba has no

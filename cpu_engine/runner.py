@@ -21,6 +21,8 @@ are ours), so every step is one packed forward for all active sequences:
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +45,26 @@ LLAMA_FAMILY = {
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+
+
+HUGE_PAGE = 2 << 20
+
+
+def kv_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed KV pool on transparent huge pages where the kernel offers them (madvise mode, the usual
+    default). Decode attention reads a sequence's blocks scattered over the whole pool: with 4 KiB pages
+    nearly every block is a TLB miss, which held K/V reads at ~12 GB/s per thread on `small` (~14.5 with huge
+    pages; benchmarks/README.md, scenario l). The pool is an anonymous mapping rounded up to whole huge pages,
+    advised before first touch and then written once, so that its memory is taken at start as before (a pool
+    too big for the machine fails here, not mid-request)."""
+    count = math.prod(shape)
+    size = -(-count * torch.empty((), dtype=dtype).element_size() // HUGE_PAGE) * HUGE_PAGE
+    memory = mmap.mmap(-1, max(size, HUGE_PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    pool = torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
+    pool.zero_()  # fault every page in now (the mapping is already zero)
+    return pool
 
 @dataclass(frozen=True)
 class Chunk:
@@ -219,9 +241,9 @@ class LlamaRunner:
         self.num_blocks = config.kv_cache_blocks
         cache_shape = (len(self.layers), self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
         try:
-            self.k_cache = torch.zeros(cache_shape, dtype=self.dtype)
-            self.v_cache = torch.zeros(cache_shape, dtype=self.dtype)
-        except RuntimeError as exc:  # say which setting to lower, not just "out of memory"
+            self.k_cache = kv_pool(cache_shape, self.dtype)
+            self.v_cache = kv_pool(cache_shape, self.dtype)
+        except (RuntimeError, OSError) as exc:  # say which setting to lower, not just "out of memory"
             raise ValueError(
                 f"cannot allocate a KV cache of {self.num_blocks * self.block_size} tokens "
                 f"({2 * torch.tensor([], dtype=self.dtype).element_size() * len(self.layers) * self.kv_size} "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cpu_engine.config import EngineConfig
-from cpu_engine.runner import Chunk, LlamaRunner
+from cpu_engine.runner import Chunk, LlamaRunner, kv_pool
 from cpu_engine.sampling import SamplingParams
 from cpu_engine.scheduler import FinishReason, RequestError, Scheduler
 from tests.unit.test_cpu_engine import (VOCAB, checkpoint, int8_weights, prompt_of, request,  # noqa: F401
@@ -270,3 +270,29 @@ def test_runner_matches_hugging_face_for_the_qwen_families(family: str, tmp_path
     last = runner.forward(prompt[9:], [table], [9], [], [0])
     torch.testing.assert_close(first, expected[:9], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(last[0], expected[9], atol=1e-4, rtol=1e-4)
+
+
+def _vm_flags_of(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_pool_is_zeroed_writable_and_advised_onto_huge_pages(dtype: torch.dtype) -> None:
+    shape = (2, 4096, 4, 64)
+    pool = kv_pool(shape, dtype)
+    assert pool.shape == shape and pool.dtype == dtype and pool.is_contiguous()
+    assert not pool.any()
+    pool[1, 4095, 3, 63] = 1.5
+    assert pool.float().sum().item() == 1.5
+    # "hg": advised MADV_HUGEPAGE. Whether the kernel then finds free huge pages depends on the machine's memory,
+    # not on us, so the advice is what is asserted (the speed it buys is measured: benchmarks/README.md).
+    assert "hg" in _vm_flags_of(pool.data_ptr())
