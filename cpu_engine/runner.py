@@ -44,9 +44,6 @@ LLAMA_FAMILY = {
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-
 HUGE_PAGE = 2 << 20
 
 
@@ -65,6 +62,7 @@ def kv_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     pool = torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
     pool.zero_()  # fault every page in now (the mapping is already zero)
     return pool
+
 
 @dataclass(frozen=True)
 class Chunk:

@@ -315,7 +315,7 @@ class Rollouts:
             await self._fleet.switch(model.name, str(live), None, self._grace_s)
             return live
         except (InferenceServerException, OpenAIError, model_store.ModelStoreError, OSError, RuntimeError,
-                KeyError, ValueError) as exc:  # the registry's repair loads it again later; readiness says 503 meanwhile
+                KeyError, ValueError) as exc:  # the registry's repair loads it later; readiness says 503 meanwhile
             log.error("model %s: version %d did not load again either: %s", model.name, live, _reason(exc))
             return None
 
