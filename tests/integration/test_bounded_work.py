@@ -176,7 +176,10 @@ async def off_the_loop_beside_a_live_stream(url: str, pid: int, stream_body: dic
                         arrivals.append(time.monotonic())
 
         stream = asyncio.create_task(live())
-        while len(arrivals) < 5:  # the stream is live
+        while len(arrivals) < 5:  # the stream is live (or it failed: say why instead of waiting for ever)
+            if stream.done():
+                await stream
+                raise AssertionError(f"the stream ended after {len(arrivals)} chunks, before the work started")
             await asyncio.sleep(0.05)
         started = len(arrivals)
         loop_before, all_before = cpu_seconds(pid, pid), cpu_seconds(pid)
