@@ -21,6 +21,7 @@ import argparse
 import os
 import queue
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import tritonclient.grpc as grpcclient
 from launcher.tritonserver import grpc_control_headers
 
 PROBE_TIMEOUT_S = 5.0
+LATE_ANSWER_S = 120.0  # how long a probe answered late is waited for before its stream is cancelled
 STUB_DEAD = "is not healthy"  # the Python backend's answer once a model's stub process is gone
 
 
@@ -66,23 +68,49 @@ def probe_inputs() -> list[grpcclient.InferInput]:
 
 def probe(grpc_url: str, model: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     """The engine model's answer to a probe: None when it answered (whatever it said, its process is there),
-    the error text when it is a dead stub's. No answer within `timeout_s` counts as an answer: busy, not dead."""
+    the error text when it is a dead stub's. No answer within `timeout_s` counts as an answer: busy, not dead.
+
+    The probe's stream is closed, never cancelled, once answered: tritonserver 2.51 can leak a stream's state
+    when the client cancels right after the final response (server PR #8078, "Fix gRPC cancellation race
+    condition", 2025, after this release), and a leaked request holds its model: the model never unloads
+    (a swap rollout waits forever) and Triton's exit waits out its timeout on it. A probe cancelled every
+    2 s, just after its answer, is that timing exactly. An answer that comes late is waited for beside."""
     answers: queue.Queue[str | None] = queue.Queue()
     client = grpcclient.InferenceServerClient(grpc_url)
     try:
         client.start_stream(callback=lambda result, error: answers.put(None if error is None else str(error)))
         client.async_stream_infer(model, probe_inputs(), request_id=f"health-probe-{uuid.uuid4().hex}",
                                   enable_empty_final_response=True)
-        try:
-            error = answers.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-        return error if error is not None and STUB_DEAD in error else None
+    except BaseException:
+        _close(client, answered=False)
+        raise
+    try:
+        error = answers.get(timeout=timeout_s)
+    except queue.Empty:
+        threading.Thread(target=_close_when_answered, args=(client, answers), name="late-probe",
+                         daemon=True).start()
+        return None
+    _close(client, answered=True)
+    return error if error is not None and STUB_DEAD in error else None
+
+
+def _close_when_answered(client: grpcclient.InferenceServerClient, answers: queue.Queue[str | None]) -> None:
+    """A probe answered late: its stream closes once the answer comes, cancelled only after LATE_ANSWER_S."""
+    try:
+        answers.get(timeout=LATE_ANSWER_S)
+    except queue.Empty:
+        _close(client, answered=False)
+    else:
+        _close(client, answered=True)
+
+
+def _close(client: grpcclient.InferenceServerClient, answered: bool) -> None:
+    """End a probe's stream: once the engine answered, by closing our side (Triton then ends the stream);
+    otherwise by cancelling it."""
+    try:
+        client.stop_stream(cancel_requests=not answered)
     finally:
-        try:
-            client.stop_stream(cancel_requests=True)
-        finally:
-            client.close()
+        client.close()
 
 
 class EngineHealth:

@@ -223,6 +223,10 @@ async def generate_choice(engine: LLMEngine, tokenizer: Tokenizer, job: ChoiceJo
                     text, stopped = matcher.feed(detokenizer.flush())
                     if not stopped:
                         text += matcher.flush()
+                    # The engine ends the request at this token itself (its stop_words_list): its stream is
+                    # read to the end rather than cancelled at its final response (TritonEngine.generate).
+                    async for _ in chunks:
+                        pass
                     yield TextDelta(text, "stop", pending)
                     return
                 generated += 1

@@ -388,18 +388,21 @@ class TritonEngine:
         call = self._client.stream_infer(one_request())
 
         async def first_error() -> str | None:
+            """Read to the stream's end, which follows the answer: a probe is not cancelled once answered
+            (`generate`; launcher/engine_health.py)."""
+            found = None
             async for _, error in call:
-                if error is not None:
+                if error is not None and found is None:
                     message = error.message() or ""
-                    return message if STUB_DEAD in message or _model_gone(error) else None
-            return None
+                    found = message if STUB_DEAD in message or _model_gone(error) else None
+            return found
 
         try:
             return await asyncio.wait_for(first_error(), PROBE_TIMEOUT_S)
         except (asyncio.TimeoutError, grpc.RpcError, InferenceServerException):
             return None
         finally:
-            call.cancel()
+            call.cancel()  # nothing once the stream has ended; an unanswered probe is given up on
 
     async def _parameters(self, model: str) -> dict[str, str]:
         try:
@@ -447,7 +450,12 @@ class TritonEngine:
     async def generate(self, request: EngineRequest, model: str | None = None,
                        version: str = "") -> AsyncIterator[TokenChunk]:
         """`model` and `version` pick a named model's version (frontend/models.py); by default the engine
-        model at the version Triton picks."""
+        model at the version Triton picks.
+
+        Closing this early cancels the engine request with its gRPC stream. A consumer that knows the engine
+        is ending the request (an end id) reads on to the end instead: tritonserver 2.51 can leak a stream's
+        state when its cancellation arrives just after the final response (server PR #8078, "Fix gRPC
+        cancellation race condition", 2025), and the leaked request keeps its model from ever unloading."""
         options = request.options
         triton_request = {
             "model_name": model or self.engine_model,
@@ -502,5 +510,5 @@ class TritonEngine:
             raise engine_error("the inference server's stream failed") from exc
         finally:
             self._stalls.close(stream)
-            if not finished:
+            if not finished:  # the engine request is cancelled with its stream
                 call.cancel()

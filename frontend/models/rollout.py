@@ -47,6 +47,7 @@ def _conflict(message: str, code: str) -> OpenAIError:
 
 SWAP = "swap"  # the `rollout_strategy` parameter that makes a rollout unload the old version first
 UNLOAD_POLL_S = 0.1
+UNLOAD_REPORT_S = 60.0  # how often a rollout says which versions Triton is still unloading
 INDEX_SILENCE_S = 120.0  # how long a rollout asks again a Triton that does not answer in time
 T = TypeVar("T")
 
@@ -278,7 +279,16 @@ class Rollouts:
         """Unload every version of `name` and wait until Triton holds none of them any more (its GPU memory
         is free only then)."""
         await self._triton.unload_model(name)
-        while {"READY", "UNLOADING"} & set((await self._patiently(self._triton.model_index)).get(name, {}).values()):
+        started = reported = time.monotonic()
+        while held := {version: state for version, state in
+                       (await self._patiently(self._triton.model_index)).get(name, {}).items()
+                       if state in ("READY", "UNLOADING")}:
+            if time.monotonic() - reported >= UNLOAD_REPORT_S:
+                reported = time.monotonic()
+                log.warning("model %s: Triton still holds %s %.0f s after the unload began (a model unloads once "
+                            "Triton has released every request to it)", name,
+                            ", ".join(f"version {v} {state}" for v, state in sorted(held.items())),
+                            reported - started)
             await asyncio.sleep(UNLOAD_POLL_S)
 
     async def _loaded(self, name: str, version: int) -> ModelContext:

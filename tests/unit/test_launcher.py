@@ -13,13 +13,17 @@ import shlex
 import signal
 import socket
 import textwrap
+import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tritonclient.utils import InferenceServerException
+
 import launcher.__main__ as launcher_main
 import launcher.mpi as launcher_mpi
+from launcher import engine_health
 from launcher.engine_health import EngineHealth, Problem
 from launcher.ports import PortInUseError, check_ports_free, find_free_port
 from launcher.supervise import RestartBudget, RestartBudgetExceeded, Supervisor, describe_exit
@@ -452,6 +456,58 @@ def test_a_version_unloading_or_loading_is_a_transition_not_a_lost_model() -> No
     assert health.check() is None  # the next version loading
     problem = health.check()
     assert problem is not None and problem.missing == ("assistant",) and "stub died" in problem.reason
+
+
+class FakeProbeClient:
+    """tritonclient's gRPC client as a probe uses it: the engine's answer is delivered when the test says."""
+
+    def __init__(self, url: str) -> None:
+        self.callback = None
+        self.stopped: list[bool] = []  # cancel_requests of each stop_stream()
+        self.closed = threading.Event()
+
+    def start_stream(self, callback) -> None:
+        self.callback = callback
+
+    def async_stream_infer(self, *args, **kwargs) -> None:
+        pass
+
+    def stop_stream(self, cancel_requests: bool = False) -> None:
+        self.stopped.append(cancel_requests)
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+@pytest.mark.parametrize("answer", [None, "Stub process 'm_0_0' is not healthy."])
+def test_a_probe_answered_closes_its_stream_and_one_answered_late_is_not_cancelled(
+        monkeypatch: pytest.MonkeyPatch, answer: str | None) -> None:
+    """Cancelling a stream just after its final response can leak the request in tritonserver 2.51 (server PR
+    #8078), and a leaked request keeps its model from ever unloading: a probe closes its side once answered,
+    also when the answer comes after the probe gave up waiting; only one never answered is cancelled."""
+    clients: list[FakeProbeClient] = []
+    error = None if answer is None else InferenceServerException(answer)
+
+    class Answering(FakeProbeClient):
+        def async_stream_infer(self, *args, **kwargs) -> None:
+            self.callback(result=None if error else object(), error=error)
+
+    monkeypatch.setattr(engine_health.grpcclient, "InferenceServerClient",
+                        lambda url: clients.append(Answering(url)) or clients[-1])
+    assert engine_health.probe("url", "m") == answer
+    assert clients[-1].stopped == [False] and clients[-1].closed.is_set()
+
+    monkeypatch.setattr(engine_health.grpcclient, "InferenceServerClient",
+                        lambda url: clients.append(FakeProbeClient(url)) or clients[-1])
+    assert engine_health.probe("url", "m", timeout_s=0.01) is None  # no answer yet: busy, not dead
+    late = clients[-1]
+    assert late.stopped == []  # still waiting for the answer, beside
+    late.callback(result=object(), error=None)
+    assert late.closed.wait(30) and late.stopped == [False]
+
+    monkeypatch.setattr(engine_health, "LATE_ANSWER_S", 0.01)
+    assert engine_health.probe("url", "m", timeout_s=0.01) is None
+    assert clients[-1].closed.wait(30) and clients[-1].stopped == [True]  # never answered: cancelled
 
 
 def test_a_model_gone_gets_its_grace_then_a_reload_and_is_running_again_once_it_serves() -> None:

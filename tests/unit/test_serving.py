@@ -144,6 +144,9 @@ async def test_an_extra_end_id_ends_the_answer_without_its_text_or_usage(per_chu
     deltas = await deltas_of(engine, choice, [], usage)
     assert "".join(d.text for d in deltas) == "ab" and deltas[-1].finish_reason == "stop"
     assert usage.completion_tokens == 2 == sum(len(d.tokens) for d in deltas)
+    # The engine ends the request at that id itself: its stream is read to the end, not cancelled at its
+    # final response (TritonEngine.generate says why); what came after the id is neither text nor usage.
+    assert engine.cancelled == []
     ignoring = ChoiceJob(0, EngineRequest("r", [1], replace(choice.request.options, ignore_eos=True)))
     deltas = await deltas_of(FakeEngine(script), ignoring, [], UsageCounter(0))
     assert deltas[-1].finish_reason == "length"  # ignore_eos: no id ends the answer
