@@ -202,7 +202,7 @@ async def generate_choice(engine: LLMEngine, tokenizer: Tokenizer, job: ChoiceJo
     """Yield text deltas (never empty, never part of a stop string), the last with its finish reason.
 
     Tokens are taken one at a time even when the engine sends several together, so that the engine
-    request ends (the iterator is closed, which cancels it) at the token that completes a stop string,
+    request ends (the iterator is closed, which stops it) at the token that completes a stop string,
     and that usage and logprobs hold exactly the tokens up to and including that one."""
     options = job.request.options
     # `markers`: special tokens kept in the text for a tool-call parser (AnswerParsing.markers)
@@ -224,7 +224,7 @@ async def generate_choice(engine: LLMEngine, tokenizer: Tokenizer, job: ChoiceJo
                     if not stopped:
                         text += matcher.flush()
                     # The engine ends the request at this token itself (its stop_words_list): its stream is
-                    # read to the end rather than cancelled at its final response (TritonEngine.generate).
+                    # read to the end, which spares stopping it (TritonEngine.generate).
                     async for _ in chunks:
                         pass
                     yield TextDelta(text, "stop", pending)

@@ -3,18 +3,20 @@
 Nothing here knows whether `tensorrt_llm` is the TensorRT-LLM backend or the CPU engine: both speak the
 TensorRT-LLM tensor interface. Each request opens its own ModelStreamInfer call and half-closes it after
 sending; Triton ends the call after the request's final response, so the end of the stream is the end
-of the request. Cancelling the call (client gone, stop string found) cancels the request in Triton,
-which the engine sees at its next step.
+of the request. A request ended early (client gone, stop string found, deadline) is stopped the
+TensorRT-LLM way, by a `stop` request for its id, and its call read to the end: the call is cancelled
+only when the engine does not end the request within STOP_GRACE_S (see `TritonEngine.generate` for why).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -25,6 +27,8 @@ from tritonclient.utils import InferenceServerException
 
 from frontend.generation.engine import EngineMetadata, EngineRequest, SamplingOptions, TokenChunk
 from frontend.openai.errors import OpenAIError, engine_error, invalid_request, service_unavailable, too_many_requests
+
+log = logging.getLogger("frontend")
 
 
 def _is_unavailable(exc: BaseException) -> bool:
@@ -250,11 +254,19 @@ CONTROL_KEY_METADATA = "triton-grpc-protocol-triton-control-key"
 # READY and its open streams get nothing more, ever (launcher/engine_health.py has the measurements).
 STUB_DEAD = "is not healthy"
 PROBE_TIMEOUT_S = 5.0
+# A request ended early is stopped by id (`stop_inputs`) and its call read to the end; the stop is sent again
+# every STOP_RESEND_S (a request still queued in Triton, not yet in the engine, is not found by the first),
+# and the call is cancelled after STOP_GRACE_S without an end.
+STOP_RESEND_S = 1.0
+STOP_GRACE_S = 10.0
+CLOSE_GRACE_S = 2.0  # how long closing the engine client waits for requests being stopped
 
 
-def probe_inputs() -> list[grpcclient.InferInput]:
-    """A TensorRT-LLM `stop` request for an id nobody uses: both engines answer it at once without running
-    anything; only a dead stub answers STUB_DEAD. The inputs every request must carry come with it."""
+def stop_inputs() -> list[grpcclient.InferInput]:
+    """A TensorRT-LLM `stop` request (model_instance_state.cc handleStopRequest): the engine ends the requests
+    that carry its request id and answers it with an empty FINAL response, running nothing. For an id nobody
+    uses it is the health probe: only a dead stub answers STUB_DEAD. The inputs every request must carry
+    come with it."""
     def scalar(name: str, value: int | bool, dtype: type, datatype: str) -> grpcclient.InferInput:
         return _tensor(name, np.array([[value]], dtype=dtype), datatype)
 
@@ -263,20 +275,54 @@ def probe_inputs() -> list[grpcclient.InferInput]:
             scalar("stop", True, np.bool_, "BOOL")]
 
 
+@dataclass(frozen=True)
+class _Ended:
+    """The last thing a stream's reader hands on: the call ended, normally (error None) or not."""
+
+    error: BaseException | None = None
+
+
 @dataclass(eq=False)
 class _OpenStream:
+    """One engine request's call, read by a task of its own into `responses`.
+
+    The consumer of `generate` awaits the queue, never the call: a consumer cancelled while it waits (a
+    client gone, a deadline, a sibling choice failed) must not cancel the call, and grpc.aio cancels a call
+    whose reading task is cancelled (`_StreamResponseMixin._read`)."""
+
     model: str
     version: str
-    call: Any  # the gRPC call, cancelled when the engine behind it is found dead
+    request_id: str
+    call: Any  # the gRPC call, cancelled when the engine behind it is found dead or ignores a stop
     heard_at: float  # time.monotonic() of its last response (or of its start)
     failure: OpenAIError | None = None  # why the watch cancelled it
+    responses: asyncio.Queue = field(default_factory=asyncio.Queue)
+    reader: asyncio.Task | None = None
+
+    def start_reading(self) -> None:
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for response in self.call:
+                self.heard_at = time.monotonic()
+                self.responses.put_nowait(response)
+        except asyncio.CancelledError as exc:  # the call was cancelled (grpc.aio says so this way), or this task
+            self.responses.put_nowait(_Ended(exc))
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+        except Exception as exc:  # grpc.RpcError, InferenceServerException: handed on, raised by the consumer
+            self.responses.put_nowait(_Ended(exc))
+        else:
+            self.responses.put_nowait(_Ended())
 
 
 class StallWatch:
     """Ends the streams of an engine model whose process died, instead of leaving them to hang.
 
     Only streams that have heard nothing for `stall_s` cost anything: for each model with such a stream, one
-    probe (`probe_inputs`) at a time; a dead answer fails every stream open on that model version with a 503
+    probe (`stop_inputs`) at a time; a dead answer fails every stream open on that model version with a 503
     at once. A probe that gets no answer proves nothing (a busy engine), so nothing is ended on a timeout.
     """
 
@@ -323,6 +369,7 @@ class TritonEngine:
         self.url = url
         self._control = {CONTROL_KEY_METADATA: control_key} if control_key else None
         self._stalls = StallWatch(self.probe, stall_probe_s)
+        self._ending: set[asyncio.Task[None]] = set()  # `_end_early` tasks, kept until done
         self.engine_model = engine_model
         self.preprocessing_model = preprocessing_model
         self._timeout = metadata_timeout_s
@@ -334,6 +381,13 @@ class TritonEngine:
         ])
 
     async def close(self) -> None:
+        """Requests being stopped get a moment to end (one engine step, as a rule); then their calls are
+        cancelled."""
+        if self._ending:
+            _, late = await asyncio.wait(set(self._ending), timeout=CLOSE_GRACE_S)
+            for ending in late:  # the call is cancelled as the task ends
+                ending.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         await self._client.close()
 
     async def is_ready(self, model: str | None = None, version: str = "") -> bool:
@@ -378,31 +432,57 @@ class TritonEngine:
                 versions[str(entry["version"])] = entry.get("state", "")
         return models
 
-    async def probe(self, model: str, version: str = "") -> str | None:
-        """The engine's answer to `probe_inputs` when it says the model's process is gone (STUB_DEAD) or the
-        model is no longer loaded; None when it answered otherwise, or not within PROBE_TIMEOUT_S."""
+    async def _stop(self, model: str, version: str, request_id: str) -> InferenceServerException | None:
+        """Send a `stop` for `request_id` (`stop_inputs`) and read its stream to the end, which follows the
+        answer: the engine's error answer, or None. Raises asyncio.TimeoutError without an end within
+        PROBE_TIMEOUT_S, grpc.RpcError / InferenceServerException when Triton does not take it."""
         async def one_request():
-            yield {"model_name": model, "model_version": version, "inputs": probe_inputs(),
-                   "request_id": f"health-probe-{uuid.uuid4().hex}"}
+            yield {"model_name": model, "model_version": version, "inputs": stop_inputs(), "request_id": request_id}
 
         call = self._client.stream_infer(one_request())
 
-        async def first_error() -> str | None:
-            """Read to the stream's end, which follows the answer: a probe is not cancelled once answered
-            (`generate`; launcher/engine_health.py)."""
+        async def answer() -> InferenceServerException | None:
             found = None
             async for _, error in call:
-                if error is not None and found is None:
-                    message = error.message() or ""
-                    found = message if STUB_DEAD in message or _model_gone(error) else None
+                found = found or error
             return found
 
         try:
-            return await asyncio.wait_for(first_error(), PROBE_TIMEOUT_S)
+            return await asyncio.wait_for(answer(), PROBE_TIMEOUT_S)
+        finally:
+            call.cancel()  # nothing once the stream has ended (`generate`); an unanswered stop is given up on
+
+    async def probe(self, model: str, version: str = "") -> str | None:
+        """The engine's answer to a `stop` for an id nobody uses when it says the model's process is gone
+        (STUB_DEAD) or the model is no longer loaded; None when it answered otherwise, or not within
+        PROBE_TIMEOUT_S."""
+        try:
+            error = await self._stop(model, version, f"health-probe-{uuid.uuid4().hex}")
         except (asyncio.TimeoutError, grpc.RpcError, InferenceServerException):
             return None
+        if error is None:
+            return None
+        message = error.message() or ""
+        return message if STUB_DEAD in message or _model_gone(error) else None
+
+    async def _end_early(self, stream: _OpenStream) -> None:
+        """Stop a request its consumer left before its end, and read its call to the end (the reader task
+        does); cancel the call only when the engine has not ended the request within STOP_GRACE_S or the
+        stop cannot be sent."""
+        assert stream.reader is not None
+        deadline = time.monotonic() + STOP_GRACE_S
+        try:
+            while not stream.reader.done() and time.monotonic() < deadline:
+                try:
+                    await self._stop(stream.model, stream.version, stream.request_id)
+                except (asyncio.TimeoutError, grpc.RpcError, InferenceServerException):
+                    return  # Triton does not take the stop: cancelling the call is all that is left
+                await asyncio.wait({stream.reader}, timeout=max(0.0, min(STOP_RESEND_S, deadline - time.monotonic())))
         finally:
-            call.cancel()  # nothing once the stream has ended; an unanswered probe is given up on
+            if not stream.reader.done():
+                log.warning("engine request %s did not end within %.0f s of its stop: cancelling its call",
+                            stream.request_id, STOP_GRACE_S)
+                stream.call.cancel()
 
     async def _parameters(self, model: str) -> dict[str, str]:
         try:
@@ -452,10 +532,12 @@ class TritonEngine:
         """`model` and `version` pick a named model's version (frontend/models.py); by default the engine
         model at the version Triton picks.
 
-        Closing this early cancels the engine request with its gRPC stream. A consumer that knows the engine
-        is ending the request (an end id) reads on to the end instead: tritonserver 2.51 can leak a stream's
-        state when its cancellation arrives just after the final response (server PR #8078, "Fix gRPC
-        cancellation race condition", 2025), and the leaked request keeps its model from ever unloading."""
+        Closing this before its end (or cancelling its consumer) stops the engine request by id and reads
+        its call to the end in the background (`_end_early`) instead of cancelling the call: tritonserver
+        2.51 can leak a stream's state when a cancellation meets the request's end (server PR #8078, "Fix
+        gRPC cancellation race condition", 2025), and a leaked request keeps its model from ever unloading.
+        A consumer that knows the engine is ending the request (an end id) reads on to the end itself,
+        which spares the stop."""
         options = request.options
         triton_request = {
             "model_name": model or self.engine_model,
@@ -472,15 +554,15 @@ class TritonEngine:
             call = self._client.stream_infer(one_request())
         except InferenceServerException as exc:
             raise service_unavailable("the inference server is unreachable") from exc
-        stream = _OpenStream(triton_request["model_name"], version, call, time.monotonic())
+        stream = _OpenStream(triton_request["model_name"], version, request.request_id, call, time.monotonic())
+        stream.start_reading()
         self._stalls.open(stream)
-        finished = False
         # Only the outputs this request asked for are looked up (each lookup walks the response's outputs).
         want_log_probs = options.logprobs or bool(options.top_logprobs)
         want_top = bool(options.top_logprobs)
         try:
-            async for result, error in call:
-                stream.heard_at = time.monotonic()
+            while not isinstance(response := await stream.responses.get(), _Ended):
+                result, error = response
                 if error is not None:
                     raise _about_the_guide(error_for(error, model or self.engine_model), options)
                 token_ids = _new_tokens(result)
@@ -489,26 +571,25 @@ class TritonEngine:
                 count = len(token_ids)
                 yield TokenChunk(token_ids, _new_log_probs(result, count) if want_log_probs else None,
                                  _top_alternatives(result, count) if want_top else None)
-            if stream.failure is not None:  # a cancelled call may also just end
+            if stream.failure is not None:  # the watch cancelled the call
                 raise stream.failure
-            finished = True
-        except OpenAIError:
-            raise
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if stream.failure is not None and not (task is not None and task.cancelling()):
-                raise stream.failure from None  # the watch cancelled the call, nobody cancelled this task
-            raise
-        except (grpc.RpcError, InferenceServerException) as exc:
-            if stream.failure is not None:
-                raise stream.failure from exc
-            if _is_unavailable(exc):
-                raise service_unavailable("lost the connection to the inference server") from exc
-            if isinstance(exc, InferenceServerException) and is_client_error(exc):
-                raise invalid_request(f"the engine refused the request: {client_message(exc.message())}",
-                                      code="invalid_engine_request") from exc
-            raise engine_error("the inference server's stream failed") from exc
+            if response.error is not None:
+                raise _stream_failure(response.error) from response.error
         finally:
             self._stalls.close(stream)
-            if not finished:  # the engine request is cancelled with its stream
-                call.cancel()
+            if not stream.reader.done():  # left before the end: the engine request is stopped
+                ending = asyncio.get_running_loop().create_task(self._end_early(stream))
+                self._ending.add(ending)
+                ending.add_done_callback(self._ending.discard)
+
+
+def _stream_failure(error: BaseException) -> OpenAIError:
+    """The OpenAI error for a call that failed before its end."""
+    if isinstance(error, asyncio.CancelledError):  # cancelled, not by the stall watch: Triton ended it
+        return engine_error("the inference server cancelled the request's stream")
+    if _is_unavailable(error):
+        return service_unavailable("lost the connection to the inference server")
+    if isinstance(error, InferenceServerException) and is_client_error(error):
+        return invalid_request(f"the engine refused the request: {client_message(error.message())}",
+                               code="invalid_engine_request")
+    return engine_error("the inference server's stream failed")
