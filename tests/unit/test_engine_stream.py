@@ -1,7 +1,8 @@
-"""How `TritonEngine` ends an engine request early: a TensorRT-LLM `stop` for its id, then its call read to
-the end, and the gRPC call cancelled only when the engine does not end the request (tritonserver 2.51 can
-leak a stream whose cancellation meets the request's end: server PR #8078). The fake call behaves as
-grpc.aio's does where that matters: a task cancelled while it reads the call cancels the call."""
+"""How `TritonEngine` reads an engine request's call (by a task of its own) and ends a request early: a
+TensorRT-LLM `stop` for its id, then its call read to the end, and the gRPC call cancelled only when the
+engine does not end the request (tritonserver 2.51 can leak a stream whose cancellation meets the
+request's end: server PR #8078). The fake call behaves as grpc.aio's
+does where that matters: a task cancelled while it reads the call cancels the call."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 import pytest
+from tritonclient.utils import InferenceServerException
 
 from frontend.generation import triton_engine
 from frontend.generation.engine import EngineRequest, SamplingOptions
 from frontend.generation.triton_engine import TritonEngine
+from frontend.openai.errors import OpenAIError
 from tests.unit.test_triton_engine import Result
 
 END, CANCELLED = object(), object()
@@ -183,3 +186,18 @@ async def test_closing_the_engine_cancels_the_calls_of_requests_still_being_stop
     await tokens.aclose()
     await engine.close()
     assert call.cancelled and not engine._ending
+
+
+async def test_tokens_before_an_error_response_reach_the_consumer_before_the_error() -> None:
+    fake = FakeTriton()
+    engine = engine_on(fake)
+    tokens = engine.generate(request())
+    reading = asyncio.ensure_future(tokens.__anext__())
+    call = await started(fake)
+    call.token(5)
+    call.responses.put_nowait((None, InferenceServerException(msg="the engine failed and cannot serve requests")))
+    call.end()
+    assert (await reading).token_ids == [5]
+    with pytest.raises(OpenAIError) as raised:
+        await tokens.__anext__()
+    assert raised.value.status == 500 and "the engine failed" in raised.value.message
