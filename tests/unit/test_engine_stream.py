@@ -7,14 +7,14 @@ does where that matters: a task cancelled while it reads the call cancels the ca
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
 from frontend.generation import triton_engine
-from frontend.generation.engine import EngineRequest, SamplingOptions
+from frontend.generation.engine import EngineRequest, SamplingOptions, TokenChunk
 from frontend.generation.triton_engine import TritonEngine
 from frontend.openai.errors import OpenAIError
 from tests.unit.test_triton_engine import Result
@@ -109,6 +109,18 @@ def request(request_id: str = "req-1") -> EngineRequest:
     return EngineRequest(request_id, [1, 2, 3], SamplingOptions(max_tokens=8))
 
 
+async def first_token_read(fake: FakeTriton, request_id: str = "req-1"
+                           ) -> tuple[TritonEngine, AsyncGenerator[TokenChunk, None], FakeCall]:
+    """An engine on `fake`, one request's tokens, and its call, once the consumer has read token 5."""
+    engine = engine_on(fake)
+    tokens = engine.generate(request(request_id))
+    reading = asyncio.ensure_future(tokens.__anext__())
+    call = await started(fake)
+    call.token(5)
+    assert (await reading).token_ids == [5]
+    return engine, tokens, call
+
+
 async def test_a_consumer_cancelled_while_it_waits_stops_the_request_and_the_call_is_read_to_its_end() -> None:
     fake = FakeTriton()
     engine = engine_on(fake)
@@ -132,12 +144,7 @@ async def test_a_consumer_cancelled_while_it_waits_stops_the_request_and_the_cal
 
 async def test_a_generator_closed_early_stops_its_request_by_id() -> None:
     fake = FakeTriton()
-    engine = engine_on(fake)
-    tokens = engine.generate(request("req-7"))
-    reading = asyncio.ensure_future(tokens.__anext__())
-    call = await started(fake)
-    call.token(5)
-    assert (await reading).token_ids == [5]
+    engine, tokens, call = await first_token_read(fake, "req-7")
     await tokens.aclose()  # a stop string found: the consumer has all it wants
     await asyncio.wait_for(asyncio.gather(*engine._ending), 5)
     assert fake.stops == ["req-7"] and call.ended and not call.cancelled
@@ -145,13 +152,8 @@ async def test_a_generator_closed_early_stops_its_request_by_id() -> None:
 
 async def test_a_request_read_to_its_end_is_neither_stopped_nor_cancelled() -> None:
     fake = FakeTriton()
-    engine = engine_on(fake)
-    tokens = engine.generate(request())
-    reading = asyncio.ensure_future(tokens.__anext__())
-    call = await started(fake)
-    call.token(5)
+    engine, tokens, call = await first_token_read(fake)
     call.end()
-    assert (await reading).token_ids == [5]
     with pytest.raises(StopAsyncIteration):
         await tokens.__anext__()
     assert not engine._ending and fake.stops == [] and not call.cancelled
@@ -162,12 +164,7 @@ async def test_an_engine_that_ignores_the_stop_gets_it_again_then_its_call_is_ca
     monkeypatch.setattr(triton_engine, "STOP_RESEND_S", 0.01)
     monkeypatch.setattr(triton_engine, "STOP_GRACE_S", 0.2)
     fake = FakeTriton(honour_stops=False)
-    engine = engine_on(fake)
-    tokens = engine.generate(request("req-3"))
-    reading = asyncio.ensure_future(tokens.__anext__())
-    call = await started(fake)
-    call.token(5)
-    await reading
+    engine, tokens, call = await first_token_read(fake, "req-3")
     await tokens.aclose()
     await asyncio.wait_for(asyncio.gather(*engine._ending), 5)
     assert len(fake.stops) >= 2 and set(fake.stops) == {"req-3"} and call.cancelled
@@ -177,12 +174,7 @@ async def test_closing_the_engine_cancels_the_calls_of_requests_still_being_stop
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(triton_engine, "CLOSE_GRACE_S", 0.05)
     fake = FakeTriton(honour_stops=False)
-    engine = engine_on(fake)
-    tokens = engine.generate(request())
-    reading = asyncio.ensure_future(tokens.__anext__())
-    call = await started(fake)
-    call.token(5)
-    await reading
+    engine, tokens, call = await first_token_read(fake)
     await tokens.aclose()
     await engine.close()
     assert call.cancelled and not engine._ending
@@ -190,14 +182,9 @@ async def test_closing_the_engine_cancels_the_calls_of_requests_still_being_stop
 
 async def test_tokens_before_an_error_response_reach_the_consumer_before_the_error() -> None:
     fake = FakeTriton()
-    engine = engine_on(fake)
-    tokens = engine.generate(request())
-    reading = asyncio.ensure_future(tokens.__anext__())
-    call = await started(fake)
-    call.token(5)
+    engine, tokens, call = await first_token_read(fake)
     call.responses.put_nowait((None, InferenceServerException(msg="the engine failed and cannot serve requests")))
     call.end()
-    assert (await reading).token_ids == [5]
     with pytest.raises(OpenAIError) as raised:
         await tokens.__anext__()
     assert raised.value.status == 500 and "the engine failed" in raised.value.message
