@@ -1,61 +1,139 @@
-"""Weight-only int8: the per-channel quantization done at build time, its file, and its projection.
+"""Int8 weights: the per-channel quantization done at build time, its file, and its projection.
 
 Decode is bound by reading the weights from memory, so an int8 copy of every projection (a quarter of
-float32's bytes, with one scale per output channel) makes a small-batch step faster; activations stay
-floating point. The build quantizes (`python -m build_engine --weights int8`) and stores the result in the
-engine directory (`cpu_engine.config.INT8_WEIGHTS_FILE`), so every start loads the same numbers without
-quantizing again.
+float32's bytes, with one scale per output channel) makes a small-batch step faster. The build quantizes
+(`python -m build_engine --weights int8`) and stores the result in the engine directory
+(`cpu_engine.config.INT8_WEIGHTS_FILE`), so every start loads the same numbers without quantizing again.
 
-The matmul is PyTorch's `torch._weight_int8pack_mm` (the fused kernel torchchat and gpt-fast use for int8
-weight-only on CPU), with bfloat16 activations: with float32 activations it took 5x (1 row) to 25x (16
-rows) the CPU time on this AMD EPYC (AVX-512, AVX512-BF16, no AMX). Measured on the `small`
-preset's projections (CPU ms per step, 1 thread, medians of interleaved rounds): 17.6 against 39.0 for
-float32 on oneDNN at 1 row, 22 against 34 at 4 rows, 62 against 52 at 16, 708 against 428 at 256. Its
-result for a row does not depend on the other rows, so a greedy sequence decodes the same alone and batched.
+The matmul, where PyTorch has FBGEMM (x86): an int8 x int8 GEMM with int32 sums (FBGEMM's
+`linear_with_input_q_dq_qweight_dq_output_fp32`), as llama.cpp's q8_0 multiplies int8 activations with
+int8 weights. Its activations are quantized with one fixed scale and zero point for the whole input, so
+that a row's result cannot depend on the other rows, each row is first divided by its largest |value|
+(then u in [-1, 1]) and quantized on the grid 1/64 with zero point 64, to 0..128 (FBGEMM's AVX2/AVX-512
+kernels sum pairs of uint8 x int8 products in int16: 128 x 127 x 2 fits, 255 x 127 x 2 would not). That
+picture alone lost accuracy against the bfloat16 activations of the weight-only kernel this replaced
+(top-1 agreement 0.92 against 1.0 on the test model), so each row also goes in a second time as what the
+rounding missed, times 128 (again in [-1, 1]); the two results are summed: activations to ~1/8,000 of
+their row's maximum, finer than bfloat16. The extra rows cost little where a step reads weights (batch 1)
+and are compute at batch 16. The integer sums are exact and the rest is per element, so a row's result
+does not depend on the batch: a greedy sequence decodes the same alone and batched. The row splitting and
+joining are two small numba loops (seven PyTorch ops each took ~5x their time). Measured on a 2-core AMD
+EPYC (AVX2 only), `small`, 2 threads, wall ms per plain decode step, medians of interleaved rounds
+(`python -m benchmarks.engine_bench --only w`, which runs both kernels): 19.7 at batch 1 against 22.5 for
+`torch._weight_int8pack_mm` with bfloat16 activations, 55.7 against 80.5 at batch 16 (float32: 44.1,
+83.2). `torch.ops.onednn.qlinear_pointwise` (oneDNN's int8 linear, the same
+activation scheme) took 3-7x FBGEMM's time here. Cost: PyTorch 2.13 warns that the quantized tensor types
+FBGEMM's packing takes will go in a later release; torch is pinned.
+
+Elsewhere (no FBGEMM: ARM), `torch._weight_int8pack_mm`: weight-only, bfloat16 activations (with float32
+activations it took 5x-25x the CPU time on an AMD EPYC with AVX-512), also batch-independent.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
+import numba
+import numpy as np
 import torch
 
-# Scales are bfloat16, the kernel's own dtype; quantizing with the rounded scale makes q x scale the
-# weight's closest int8 picture for the scale the kernel will actually use.
+# Scales are bfloat16 (the weight-only kernel's own dtype; FBGEMM takes them exactly as float64);
+# quantizing with the rounded scale makes q x scale the weight's closest int8 picture for the scale the
+# kernel will actually use.
 SCALE_DTYPE = torch.bfloat16
 _QUANT_MAX = 127  # symmetric: -127..127, so that negation is exact
 _FORMAT = {"format": "int8 weight-only, symmetric, one bfloat16 scale per output channel", "version": "1"}
+
+HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
+# An activation row x / max|x| in [-1, 1] becomes round(64 u) + 64 in 0..128 (see the module docstring), and
+# what that rounding misses (at most 1/128), times 128, is again in [-1, 1] for a second int8 row.
+ACTIVATION_STEPS = 64  # a power of two: u x 64 is exact, so our rounding and the kernel's agree
+ACTIVATION_ZERO_POINT = 64
+RESIDUAL_GAIN = 2 * ACTIVATION_STEPS
+_TINY = np.float32(torch.finfo(torch.float32).tiny)
+
+
+@numba.njit(boundscheck=False, nogil=True, cache=True)
+def _split_rows(x, out, row_max):  # pragma: no cover
+    """For each row of x ([n, k] float32): row_max[i] = max |x[i]|, out[i] = u = x[i] / row_max[i] (which
+    the kernel rounds to the grid 1/64) and out[n + i] = (u - that rounding) x 128. One pass in place of
+    seven PyTorch ops (~10 us against ~50 for a row of 768)."""
+    n, k = x.shape
+    for i in range(n):
+        top = _TINY
+        for j in range(k):
+            top = max(top, abs(x[i, j]))
+        row_max[i, 0] = top
+        gain = np.float32(ACTIVATION_STEPS) / top
+        for j in range(k):
+            scaled = x[i, j] * gain
+            out[i, j] = scaled / np.float32(ACTIVATION_STEPS)
+            out[n + i, j] = (scaled - np.rint(scaled)) * np.float32(RESIDUAL_GAIN / ACTIVATION_STEPS)
+
+
+@numba.njit(boundscheck=False, nogil=True, cache=True)
+def _join_rows(products, row_max, out):  # pragma: no cover
+    """out[i] = (products[i] + products[n + i] / 128) x row_max[i]: the two int8 pictures of row i summed
+    and scaled back."""
+    n, k = out.shape
+    for i in range(n):
+        for j in range(k):
+            out[i, j] = (products[i, j] + products[n + i, j] * np.float32(1.0 / RESIDUAL_GAIN)) * row_max[i, 0]
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """([out, in] int8, [out] bfloat16 scales) with weight ~= q * scale[:, None], row by row."""
     weight = weight.detach().float()
-    amax = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
+    amax = weight.abs().amax(dim=1).clamp(min=float(_TINY))
     scale = (amax / _QUANT_MAX).to(SCALE_DTYPE)
     q = torch.round(weight / scale.float()[:, None]).clamp(-_QUANT_MAX, _QUANT_MAX).to(torch.int8)
     return q.contiguous(), scale
 
 
-class Int8Projection:
-    """`x @ dequant(q).T + bias` on the int8 kernel; returns x's dtype."""
+def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.ScriptObject:
+    """The int8 weight in FBGEMM's packed layout, with its per-channel scales (exact in float64)."""
+    with warnings.catch_warnings():  # the quantized tensor FBGEMM's packing takes: deprecated, still there
+        warnings.simplefilter("ignore", UserWarning)
+        weight = torch._make_per_channel_quantized_tensor(
+            q, scale.double(), torch.zeros(q.shape[0], dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(weight, None)
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+
+class Int8Projection:
+    """`x @ dequant(q).T + bias` on int8 weights; returns x's dtype."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 fbgemm: bool = HAS_FBGEMM):
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
             raise ValueError(f"int8 weight [out, in] and [out] scales expected, got {q.dtype} {tuple(q.shape)} "
                              f"and {tuple(scale.shape)}")
-        # Copies in memory of our own: a tensor read from a safetensors file may sit at an address the
-        # kernel's aligned vector loads crash on (seen: a segfault on the `layers.0.qkv` of a test model).
-        self.q = q.clone(memory_format=torch.contiguous_format)
-        self.scale = scale.to(SCALE_DTYPE).clone()
         self.bias = bias
+        self.scale = scale.to(SCALE_DTYPE).clone()
+        self._weight_bytes = q.nbytes
+        self.packed = _fbgemm_pack(q, self.scale) if fbgemm else None  # False: the weight-only kernel
+        # Otherwise a copy in memory of our own: a tensor read from a safetensors file may sit at an address
+        # the weight-only kernel's aligned vector loads crash on (seen: a segfault on a test model's qkv).
+        self.q = None if self.packed is not None else q.clone(memory_format=torch.contiguous_format)
 
     @property
     def nbytes(self) -> int:
         """What one call reads of the weights, scales and bias."""
-        return self.q.nbytes + self.scale.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        return self._weight_bytes + self.scale.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int8pack_mm(x.to(SCALE_DTYPE), self.q, self.scale).to(x.dtype)
+        if self.packed is not None:
+            rows = x.float().contiguous()
+            n = rows.shape[0]
+            both, row_max = torch.empty(2 * n, rows.shape[1]), torch.empty(n, 1)
+            _split_rows(rows.numpy(), both.numpy(), row_max.numpy())
+            products = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                both, 1.0 / ACTIVATION_STEPS, ACTIVATION_ZERO_POINT, self.packed)
+            out = torch.empty(n, products.shape[1])
+            _join_rows(products.numpy(), row_max.numpy(), out.numpy())
+            out = out.to(x.dtype)
+        else:
+            out = torch._weight_int8pack_mm(x.to(SCALE_DTYPE), self.q, self.scale).to(x.dtype)
         return out if self.bias is None else out + self.bias
 
 

@@ -1,4 +1,4 @@
-"""Weight-only int8 (`build_engine --weights int8`): the quantization, its file, and the engine's logits
+"""Int8 weights (`build_engine --weights int8`): the quantization, its file, and the engine's logits
 on it against float32 within fixed bounds."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 from benchmarks.engine_scenarios import compare_logits, logits_over, quality_tokens
 from build_engine.__main__ import main as build_main
 from cpu_engine.config import INT8_WEIGHTS_FILE, EngineConfig, resolve_dtype
-from cpu_engine.int8 import Int8Projection, load_int8_weights, quantize_per_channel, save_int8_weights
+from cpu_engine.int8 import (ACTIVATION_STEPS, HAS_FBGEMM, RESIDUAL_GAIN, Int8Projection, load_int8_weights,
+                             quantize_per_channel, save_int8_weights)
 from cpu_engine.runner import LlamaRunner, fused_projections
 from tests.unit.test_cpu_engine import VOCAB, checkpoint, int8_weights  # noqa: F401
 
@@ -33,19 +34,37 @@ def test_per_channel_quantization_is_within_half_a_step_of_each_weight() -> None
     assert float(scale[0]) < float(scale[3]) / 20
 
 
-def test_int8_projection_matches_the_dequantized_weight_in_any_batch() -> None:
+def activations_as_the_kernel_sees_them(x: torch.Tensor) -> torch.Tensor:
+    """The activation scheme cpu_engine.int8 documents: with FBGEMM, each row over its largest |value| on
+    the int8 grid 1/63, plus what that misses on a grid 126 times finer, scaled back; otherwise bfloat16."""
+    if not HAS_FBGEMM:
+        return x.to(torch.bfloat16).float()
+    row_max = x.abs().amax(dim=1, keepdim=True)
+    unit = x / row_max
+    high = torch.round(unit * ACTIVATION_STEPS) / ACTIVATION_STEPS
+    low = torch.round((unit - high) * RESIDUAL_GAIN * ACTIVATION_STEPS) / ACTIVATION_STEPS / RESIDUAL_GAIN
+    return (high + low) * row_max
+
+
+def test_int8_projection_computes_its_documented_scheme_in_any_batch() -> None:
     generator = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
     q, scale = quantize_per_channel(weight)
     projection = Int8Projection(q, scale, bias)
     x = torch.randn(40, 64, generator=generator)
-    dequantized = torch.nn.functional.linear(x, q.float() * scale.float()[:, None], bias)
+    dequantized = q.float() * scale.float()[:, None]
     out = projection(x)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, dequantized, atol=0.05, rtol=0.02)  # activations go through bfloat16
+    # The kernel does exactly the scheme (int8 weights, activations quantized per row)...
+    expected = torch.nn.functional.linear(activations_as_the_kernel_sees_them(x), dequantized, bias)
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
+    # ... which stays near the float product: a wrong scale or zero point is off by the outputs' own size.
+    exact = torch.nn.functional.linear(x, weight, bias)
+    assert float((out - exact).norm() / exact.norm()) < 0.01
     alone = projection(x[:1])
     for rows in (2, 5, 16, 40):  # a row gets the same bits in any batch: greedy alone == greedy batched
         assert torch.equal(projection(x[:rows])[:1], alone), rows
+    assert torch.equal(projection(torch.zeros(2, 64)), bias.expand(2, -1))  # an all-zero row: no 0 / 0
 
 
 def test_the_int8_file_round_trips_and_names_every_projection(checkpoint: Path, tmp_path: Path) -> None:
