@@ -13,17 +13,18 @@ that a row's result cannot depend on the other rows, each row is first divided b
 kernels sum pairs of uint8 x int8 products in int16: 128 x 127 x 2 fits, 255 x 127 x 2 would not). That
 picture alone lost accuracy against the bfloat16 activations of the weight-only kernel this replaced
 (top-1 agreement 0.92 against 1.0 on the test model), so each row also goes in a second time as what the
-rounding missed, times 128 (again in [-1, 1]); the two results are summed: activations to ~1/8,000 of
-their row's maximum, finer than bfloat16. The extra rows cost little where a step reads weights (batch 1)
-and are compute at batch 16. The integer sums are exact and the rest is per element, so a row's result
-does not depend on the batch: a greedy sequence decodes the same alone and batched. The row splitting and
-joining are two small numba loops (seven PyTorch ops each took ~5x their time). Measured on a 2-core AMD
-EPYC (AVX2 only), `small`, 2 threads, wall ms per plain decode step, medians of interleaved rounds
-(`python -m benchmarks.engine_bench --only w`, which runs both kernels): 19.7 at batch 1 against 22.5 for
-`torch._weight_int8pack_mm` with bfloat16 activations, 55.7 against 80.5 at batch 16 (float32: 44.1,
-83.2). `torch.ops.onednn.qlinear_pointwise` (oneDNN's int8 linear, the same
-activation scheme) took 3-7x FBGEMM's time here. Cost: PyTorch 2.13 warns that the quantized tensor types
-FBGEMM's packing takes will go in a later release; torch is pinned.
+rounding missed, times 128 (again in [-1, 1]); the two results are summed: activations on a grid of
+1/8,192 of their row's maximum (bfloat16 keeps 8 significant bits of each value; this keeps ~13 bits of
+the row's range). The extra row costs little where a step reads weights (batch 1) and doubles the GEMM's
+compute where it is compute-bound (16+ rows). The integer sums are exact and the rest is per element, so a
+row's result does not depend on the batch: a greedy sequence decodes the same alone and batched. The row
+splitting and joining are two small numba loops (the seven PyTorch ops they replace took ~5x their time).
+Measured on a 2-core AMD EPYC (AVX2 only), `small`, 2 threads, wall ms per plain decode step, medians of
+interleaved rounds (`python -m benchmarks.engine_bench --only w`, which runs both kernels): 20.2 at batch 1
+against 23.5 for `torch._weight_int8pack_mm` with bfloat16 activations, 56.9 against 80.8 at batch 16
+(float32: 50.6, 85.5). `torch.ops.onednn.qlinear_pointwise` (oneDNN's int8 linear, the same activation
+scheme) took 3-7x FBGEMM's time here. Cost: PyTorch 2.13 warns that the quantized tensor types FBGEMM's
+packing takes will go in a later release; torch is pinned.
 
 Elsewhere (no FBGEMM: ARM), `torch._weight_int8pack_mm`: weight-only, bfloat16 activations (with float32
 activations it took 5x-25x the CPU time on an AMD EPYC with AVX-512), also batch-independent.
