@@ -7,7 +7,7 @@ directory (the one the engine was built from, read from its `engine_config.json`
 | ours | llama.cpp |
 |---|---|
 | float32 (`make engine`) | f32 GGUF (`convert_hf_to_gguf.py --outtype f32`) |
-| int8 (`make engine WEIGHTS=int8`: weight-only, a scale per output channel) | q8_0 GGUF (`llama-quantize`) |
+| int8 (`make engine WEIGHTS=int8`: int8 weights, a scale per output channel; int8 activations on x86) | q8_0 GGUF (`llama-quantize`) |
 
 Both get the same streaming chat requests (benchmarks/loadgen.py's OpenAITarget: the same user messages,
 rendered by each server with the checkpoint's chat template: ours by the tokenizer's, llama-server with
