@@ -36,7 +36,7 @@ def test_per_channel_quantization_is_within_half_a_step_of_each_weight() -> None
 
 def activations_as_the_kernel_sees_them(x: torch.Tensor) -> torch.Tensor:
     """The activation scheme cpu_engine.int8 documents: with FBGEMM, each row over its largest |value| on
-    the int8 grid 1/63, plus what that misses on a grid 126 times finer, scaled back; otherwise bfloat16."""
+    the int8 grid 1/64, plus what that misses on a grid 128 times finer, scaled back; otherwise bfloat16."""
     if not HAS_FBGEMM:
         return x.to(torch.bfloat16).float()
     row_max = x.abs().amax(dim=1, keepdim=True)
