@@ -42,6 +42,9 @@ MIN_STATS_SPACING_S = 0.02
 # cpu_num_threads 0: a model whose full-batch decode step takes less than this on one thread runs on one
 # (choose_threads): `tiny` ~2.2 ms, `small` ~45 ms on this 2-core machine.
 PARALLEL_MIN_STEP_S = 0.010
+# cpu_num_threads 0: cores left to the rest of the stack (the frontend, tritonserver, this stub's response and
+# poll threads), which work on every token beside the forward pass (choose_threads).
+SERVING_CORES = 1
 
 
 class EngineFailedError(RequestError):
@@ -63,25 +66,33 @@ def configure_threads(num_threads: int) -> int:
 
 
 def choose_threads(scheduler: Scheduler, cores: int) -> tuple[int, str]:
-    """With cpu_num_threads 0: one thread for a model whose plain full-batch decode step takes less than
-    PARALLEL_MIN_STEP_S on one thread, else `cores` (configure_threads, on the calling thread). Returns the
-    threads and why.
+    """With cpu_num_threads 0: `cores` less SERVING_CORES, and one thread for a model whose plain full-batch
+    decode step takes less than PARALLEL_MIN_STEP_S on one thread (configure_threads, on the calling thread).
+    Returns the threads and why.
 
-    A parallel team pays for big ops only. Each of a step's parallel regions (oneDNN's projections, the numba
-    attention kernel, which keeps a second OpenMP team) wakes the team's threads, which then spin
-    (GOMP_SPINCOUNT, set by the launcher) until the next region or well past the step: on a model whose ops
-    take microseconds they spin through the whole step, and on a small box that is a core taken from the
-    frontend and Triton. Measured on 2 cores, `tiny` preset (a full-batch step ~2.2 ms on one thread, ~2.0
-    on two), 32 streams of 64 tokens through the whole stack: 1,485 tok/s on one thread against 462 on two,
-    the stub's CPU 511 µs per token against 1,755 (benchmarks/README.md, "Overhead-bound stack"). The
-    `small` preset's step takes ~45 ms on one thread and ~37 on two: it keeps every core.
+    The forward pass shares the machine with the rest of the stack, which spends CPU on every token while
+    the step computes. A team as wide as the machine meets it on every core: each of a step's parallel
+    regions (oneDNN's and FBGEMM's projections, the numba attention kernel, which keeps a second OpenMP
+    team) ends at a barrier, and a team thread that the frontend or Triton pushed off its core holds the
+    whole team there; its partners spin meanwhile (GOMP_SPINCOUNT, set by the launcher), taking CPU from
+    the very processes they wait for. Measured on 2 cores through the whole stack (`small`, 2 threads
+    against 1, 3 interleaved rounds, `benchmarks.overhead_bench`): int8 weights 395 against 746 tok/s at 16
+    streams and 125 against 142 at one; float32 361 against 539 and 81 against 82, at half the engine's CPU
+    per token; plain decode steps without the stack are 1.1-1.6x faster on two threads. A model whose ops
+    take microseconds gains nothing from a team even with cores to spare: `tiny` (~2.2 ms a full-batch step
+    on one thread) served 1,485 tok/s on one thread against 462 on two (benchmarks/README.md, "Overhead-bound
+    stack").
     """
     configure_threads(1)
+    team = max(1, cores - SERVING_CORES)
+    if team == 1:
+        return 1, f"{cores} cores: {SERVING_CORES} left to the frontend, Triton and the stub's response threads"
     step_s = scheduler.plain_step_s()
     if step_s < PARALLEL_MIN_STEP_S:
         return 1, (f"a full-batch decode step takes {step_s * 1000:.1f} ms on one thread, under "
                    f"{PARALLEL_MIN_STEP_S * 1000:.0f} ms: too small for a parallel team to pay")
-    return configure_threads(cores), f"a full-batch decode step takes {step_s * 1000:.0f} ms on one thread"
+    return configure_threads(team), (f"a full-batch decode step takes {step_s * 1000:.0f} ms on one thread; "
+                                     f"{SERVING_CORES} of {cores} cores left to the rest of the stack")
 
 
 class Engine:

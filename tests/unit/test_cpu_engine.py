@@ -606,12 +606,17 @@ def test_from_config_loads_and_calibrates_on_the_engine_thread(checkpoint: Path,
     assert not broken.alive
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs at least two cores to choose from")
-@pytest.mark.parametrize("min_step_s, parallel", [(1e9, False), (0.0, True)])
-def test_auto_threads_keep_a_model_too_small_for_a_team_on_one_thread(
-        checkpoint: Path, monkeypatch: pytest.MonkeyPatch, min_step_s: float, parallel: bool) -> None:
-    """cpu_num_threads 0: a model whose full-batch step is shorter than PARALLEL_MIN_STEP_S on one thread runs
-    every step on one thread, PyTorch and numba (the attention kernel's own OpenMP team) alike."""
+@pytest.mark.parametrize("cores, min_step_s, expected, why", [
+    (2, 0.0, 1, "1 left to the frontend"),  # two cores: the team would be one thread anyway, no timing
+    (4, 1e9, 1, "too small"),  # cores to spare, but the model's step is too small for a team
+    (4, 0.0, 3, "1 of 4 cores left"),  # a team of all cores but the one left to the rest of the stack
+])
+def test_auto_threads_leave_a_core_to_the_stack_and_keep_small_models_on_one(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch, cores: int, min_step_s: float, expected: int,
+        why: str) -> None:
+    """cpu_num_threads 0: all cores but SERVING_CORES, and one thread for a model whose full-batch step is
+    shorter than PARALLEL_MIN_STEP_S on one thread; every step then runs on that many threads, PyTorch and
+    numba (the attention kernel's own OpenMP team) alike. The cores are what sched_getaffinity says."""
     import numba
 
     import cpu_engine.engine as engine_module
@@ -625,7 +630,7 @@ def test_auto_threads_keep_a_model_too_small_for_a_team_on_one_thread(
 
     monkeypatch.setattr(engine_module, "LlamaRunner", RecordingRunner)
     monkeypatch.setattr(engine_module, "PARALLEL_MIN_STEP_S", min_step_s)
-    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: set(range(cores)))
     engine = Engine.from_config(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64),
                                 cancelled=lambda requests: [False] * len(requests))
     engine.start()
@@ -633,11 +638,12 @@ def test_auto_threads_keep_a_model_too_small_for_a_team_on_one_thread(
         sink = request("a", prompt_of(3), 2)
         engine.submit(sink)
         assert sink.sink.done.wait(60) and sink.sink.error is None
-        expected = (cores, min(cores, numba.config.NUMBA_NUM_THREADS)) if parallel else (1, 1)
-        assert seen[0] == (1, 1)  # the step that decides runs on one thread
-        assert set(seen[4:]) == {expected}  # calibration and the request's steps
-        assert ("too small" in engine.thread_choice) != parallel
-        assert f"{expected[0]} threads" in engine.describe()
+        # numba's team cannot grow past the threads it was started with (NUMBA_NUM_THREADS, this machine's cores)
+        want = (expected, min(expected, numba.config.NUMBA_NUM_THREADS))
+        assert seen[0] == (1, 1)  # the step that decides (when there is a choice) runs on one thread
+        assert set(seen[4:]) == {want}  # calibration and the request's steps
+        assert why in engine.thread_choice
+        assert f"{expected} threads" in engine.describe()
     finally:
         engine.stop()
 
