@@ -414,7 +414,7 @@ def run_weights(engine_dir: Path, quick: bool) -> dict:
     return {"quality": quality, "steps": steps, "weights_read_mb": weight_mb, "torch_threads": torch.get_num_threads()}
 
 
-def run_contexts(engine_dir: Path, quick: bool) -> dict:
+def run_contexts(engine_dir: Path, quick: bool, wide_attention_threads: int = 0) -> dict:
     """(l): plain decode steps at batch 1 and 16 from each of CONTEXTS (32: after a 32-token prompt, as in
     (c); else over the cache as it is, see `plain_decode_seconds`), rounds interleaved, each run with the
     attention kernel timed (`scenarios.attention_timer`: a few µs per layer); of each (batch, context), the
@@ -428,6 +428,7 @@ def run_contexts(engine_dir: Path, quick: bool) -> dict:
     per_sequence = -(-longest // base.kv_block_size) * base.kv_block_size
     runner = LlamaRunner(dataclasses.replace(base, max_batch_size=16, max_seq_len=max(base.max_seq_len, longest),
                                              kv_cache_tokens=16 * per_sequence))
+    runner.wide_attention_threads = wide_attention_threads  # as the engine sets it when it leaves cores free
     start_of = {context: 0 if context == 32 else context for context in CONTEXTS}  # 32: a real 32-token prompt
     runs: dict[tuple[int, int], list[tuple[float, float, dict]]] = {}
     plain_decode_seconds(runner, 1, 1)  # loads (or compiles) the kernels before anything is timed
@@ -442,7 +443,7 @@ def run_contexts(engine_dir: Path, quick: bool) -> dict:
     figures: dict[str, dict[str, dict]] = {}
     print(f"(l) plain decode steps by context ({base.dtype}, {layers} layers, KV {kv_bytes_per_token / 1024:.1f} KiB "
           f"per position, in-place attention: {runner.in_place_decode}; torch threads {torch.get_num_threads()}, "
-          f"numba threads {numba.get_num_threads()}; best of {len(runs[(1, 32)])} runs of {steps} steps)")
+          f"numba threads {numba.get_num_threads()}, long-context attention {wide_attention_threads or 'the same'}; best of {len(runs[(1, 32)])} runs of {steps} steps)")
     print("| batch | context | tok/s | x of context 32 | step ms wall (CPU) | attention ms / step | K/V read GB/s |")
     print("|---|---|---|---|---|---|---|")
     for batch in (1, 16):
@@ -484,6 +485,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch and numba threads of the no-server figures (default 0: their own choice, every "
                              "core); 1 on a shared machine, where a parallel team's waits for a busy core inflate "
                              "both wall and CPU time")
+    parser.add_argument("--wide-attention-threads", type=int, default=0,
+                        help="(l): decode attention reading >= 8 MiB of K/V a layer on this many threads (what the "
+                             "engine does when it leaves cores to the stack, e.g. --threads 1 "
+                             "--wide-attention-threads 2 on 2 cores); default 0: as --threads")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     only = set(args.only)
@@ -570,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
     if "w" in only:
         guarded("w", results, lambda: run_weights(args.engine_dir, args.quick))
     if "l" in only:
-        guarded("l", results, lambda: run_contexts(args.engine_dir, args.quick))
+        guarded("l", results, lambda: run_contexts(args.engine_dir, args.quick, args.wide_attention_threads))
         gc.collect()
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint) if only & {"base", "a", "b"} else None

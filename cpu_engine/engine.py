@@ -142,11 +142,15 @@ class Engine:
         the loop thread when `start()` is called; start() returns when that is done."""
 
         def build() -> Scheduler:
-            engine.threads = configure_threads(config.num_threads)
-            scheduler = Scheduler(LlamaRunner(config), config.max_num_tokens, config.prefill_step_ratio,
+            engine.threads = cores = configure_threads(config.num_threads)
+            runner = LlamaRunner(config)
+            scheduler = Scheduler(runner, config.max_num_tokens, config.prefill_step_ratio,
                                   enable_prefix_reuse=config.enable_prefix_reuse)
-            if config.num_threads <= 0 and engine.threads > 1:
-                engine.threads, engine.thread_choice = choose_threads(scheduler, engine.threads)
+            if config.num_threads <= 0 and cores > 1:
+                engine.threads, engine.thread_choice = choose_threads(scheduler, cores)
+                wide = min(cores, numba.config.NUMBA_NUM_THREADS)  # long-context attention: every core
+                if wide > engine.threads:
+                    runner.wide_attention_threads = wide
             scheduler.calibrate()
             return scheduler
 
@@ -160,7 +164,9 @@ class Engine:
         choice = f" ({self.thread_choice})" if self.thread_choice else ""
         threads = self.threads or torch.get_num_threads()
         runner = self.scheduler.runner
-        return (f"CPU engine: {runner.dtype_name} compute, {runner.weights} weights; {threads} threads{choice}; "
+        wide = (f"; decode attention over long contexts on {runner.wide_attention_threads} threads"
+                if runner.wide_attention_threads else "")
+        return (f"CPU engine: {runner.dtype_name} compute, {runner.weights} weights; {threads} threads{choice}{wide}; "
                 f"plain decode step by batch size {{{steps}}}")
 
     @property

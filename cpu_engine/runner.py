@@ -26,6 +26,7 @@ import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
+import numba
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -79,6 +80,9 @@ class Chunk:
 # on some CPUs (measured on this AMD EPYC: a 4096x768 projection of 4 rows took 3.4 ms as F.linear, 1.1 ms
 # transposed). Same math, other kernel.
 SMALL_BATCH_ROWS = 128
+# Decode attention reading at least this much K/V per layer in a step runs on `wide_attention_threads`
+# (LlamaRunner): a region long enough (~0.4 ms on one thread here) for a team to pay beside the rest of the stack.
+WIDE_ATTENTION_MIN_KV_BYTES = 8 << 20
 
 
 def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
@@ -249,6 +253,15 @@ class LlamaRunner:
 
         # Decode attention reads the pool in place (float32); bfloat16 gathers (see the module docstring).
         self.in_place_decode = self.dtype == torch.float32
+        self.kv_bytes_per_position = 2 * self.kv_size * self.k_cache.element_size()  # K and V, one layer
+        # Threads for the in-place decode attention of steps that read at least WIDE_ATTENTION_MIN_KV_BYTES of
+        # K/V a layer (0: the calling thread's numba setting, like every other step). The engine sets it when
+        # it leaves cores to the rest of the stack: the rest of the step runs on fewer threads than the
+        # machine has, since short parallel regions lose to the stack's processes at every barrier, but
+        # attention over long contexts is one long memory-bound region per layer, which reads K/V faster on
+        # more cores (2 cores, `small` float32, 16 streams of 1,024 tokens through the whole stack, 3
+        # interleaved rounds: 369 tok/s against 315 on one thread; benchmarks/README.md, scenario `l`).
+        self.wide_attention_threads = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -265,6 +278,20 @@ class LlamaRunner:
         keys = k_pool.index_select(0, flat).view(shape).transpose(1, 2)
         values = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
         return keys, values
+
+    def _decode_attention(self, q: torch.Tensor, layer: int, tables: torch.Tensor, lengths: torch.Tensor,
+                          threads: int) -> torch.Tensor:
+        """Decode attention over the pool in place, on `threads` numba threads (0: as set for this thread)."""
+        if not threads:
+            return paged_decode_attention(q, self.k_cache[layer], self.v_cache[layer], tables, lengths,
+                                          self.block_size, self.scale)
+        narrow = numba.get_num_threads()
+        numba.set_num_threads(threads)
+        try:
+            return paged_decode_attention(q, self.k_cache[layer], self.v_cache[layer], tables, lengths,
+                                          self.block_size, self.scale)
+        finally:
+            numba.set_num_threads(narrow)
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
@@ -311,6 +338,8 @@ class LlamaRunner:
             if not self.in_place_decode:
                 decode_mask = (torch.arange(per_row * block_size)[None, :] < dec_len[:, None])[:, None, None, :]
 
+        wide = (self.wide_attention_threads if num_decode and self.in_place_decode and
+                int(dec_len.sum()) * self.kv_bytes_per_position >= WIDE_ATTENTION_MIN_KV_BYTES else 0)
         for layer_idx, layer in enumerate(self.layers):
             qkv = layer.qkv(layer.input_norm(hidden))
             qk_size = self.q_size + self.kv_size
@@ -325,8 +354,7 @@ class LlamaRunner:
 
             outputs = []
             if num_decode and self.in_place_decode:
-                out = paged_decode_attention(q[:num_decode], self.k_cache[layer_idx], self.v_cache[layer_idx],
-                                             decode_tables, dec_len, block_size, self.scale)
+                out = self._decode_attention(q[:num_decode], layer_idx, decode_tables, dec_len, wide)
                 outputs.append(out.reshape(num_decode, -1))
             elif num_decode:
                 keys, values = self._block_views(layer_idx, decode_tables)

@@ -648,6 +648,49 @@ def test_auto_threads_leave_a_core_to_the_stack_and_keep_small_models_on_one(
         engine.stop()
 
 
+@pytest.mark.parametrize("min_kv_bytes, wide", [(0, True), (1 << 40, False)])
+def test_long_context_decode_attention_uses_the_core_left_to_the_stack(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch, min_kv_bytes: int, wide: bool) -> None:
+    """cpu_num_threads 0 on 2 cores: the step runs on one thread, but decode attention that reads at least
+    WIDE_ATTENTION_MIN_KV_BYTES of K/V a layer runs on both cores (as many as numba's team has), and the
+    thread's setting is back to one for everything after it."""
+    import numba
+
+    import cpu_engine.engine as engine_module
+    import cpu_engine.runner as runner_module
+
+    in_attention, at_forward = [], []
+    real_attention = runner_module.paged_decode_attention
+
+    def recording_attention(*args, **kwargs):
+        in_attention.append(numba.get_num_threads())
+        return real_attention(*args, **kwargs)
+
+    class RecordingRunner(LlamaRunner):
+        def forward(self, *args, **kwargs):
+            at_forward.append(numba.get_num_threads())
+            return super().forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "paged_decode_attention", recording_attention)
+    monkeypatch.setattr(runner_module, "WIDE_ATTENTION_MIN_KV_BYTES", min_kv_bytes)
+    monkeypatch.setattr(engine_module, "LlamaRunner", RecordingRunner)
+    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    engine = Engine.from_config(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64),
+                                cancelled=lambda requests: [False] * len(requests))
+    engine.start()
+    try:
+        sink = request("a", prompt_of(3), 4)
+        engine.submit(sink)
+        assert sink.sink.done.wait(60) and sink.sink.error is None
+        both = min(2, numba.config.NUMBA_NUM_THREADS)  # numba's team cannot grow past NUMBA_NUM_THREADS
+        assert engine.scheduler.runner.wide_attention_threads == (both if both > 1 else 0)
+        assert ("long contexts on" in engine.describe()) == (both > 1)
+        assert in_attention and set(in_attention) == {both if wide else 1}
+        assert set(at_forward) == {1}  # every step starts on one thread: the wide setting does not leak
+    finally:
+        engine.stop()
+
+
 def test_channel_polls_in_parts_and_answers_in_request_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """TritonChannel (model_repository/tensorrt_llm/1/model.py) makes a poll's round trips in a few parts of
     POLL_CHUNK requests or more, each on one thread, and answers in the order of the requests."""
