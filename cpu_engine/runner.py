@@ -282,11 +282,8 @@ class LlamaRunner:
     def _decode_attention(self, q: torch.Tensor, layer: int, tables: torch.Tensor, lengths: torch.Tensor,
                           threads: int) -> torch.Tensor:
         """Decode attention over the pool in place, on `threads` numba threads (0: as set for this thread)."""
-        if not threads:
-            return paged_decode_attention(q, self.k_cache[layer], self.v_cache[layer], tables, lengths,
-                                          self.block_size, self.scale)
         narrow = numba.get_num_threads()
-        numba.set_num_threads(threads)
+        numba.set_num_threads(threads or narrow)
         try:
             return paged_decode_attention(q, self.k_cache[layer], self.v_cache[layer], tables, lengths,
                                           self.block_size, self.scale)
