@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -606,6 +607,27 @@ def test_from_config_loads_and_calibrates_on_the_engine_thread(checkpoint: Path,
     assert not broken.alive
 
 
+@contextlib.contextmanager
+def engine_on_cores(checkpoint: Path, monkeypatch: pytest.MonkeyPatch, cores: int,
+                    runner_class: type[LlamaRunner], max_new_tokens: int):
+    """An engine left to choose its threads (cpu_num_threads 0) on a machine of `cores` cores (what
+    sched_getaffinity says), running `runner_class`, after it served one request to the end; stopped after."""
+    import cpu_engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "LlamaRunner", runner_class)
+    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    engine = Engine.from_config(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64),
+                                cancelled=lambda requests: [False] * len(requests))
+    engine.start()
+    try:
+        sink = request("a", prompt_of(3), max_new_tokens)
+        engine.submit(sink)
+        assert sink.sink.done.wait(60) and sink.sink.error is None
+        yield engine
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("cores, min_step_s, expected, why", [
     (2, 0.0, 1, "1 left to the frontend"),  # two cores: the team would be one thread anyway, no timing
     (4, 1e9, 1, "too small"),  # cores to spare, but the model's step is too small for a team
@@ -628,24 +650,14 @@ def test_auto_threads_leave_a_core_to_the_stack_and_keep_small_models_on_one(
             seen.append((torch.get_num_threads(), numba.get_num_threads()))
             return super().forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "LlamaRunner", RecordingRunner)
     monkeypatch.setattr(engine_module, "PARALLEL_MIN_STEP_S", min_step_s)
-    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: set(range(cores)))
-    engine = Engine.from_config(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64),
-                                cancelled=lambda requests: [False] * len(requests))
-    engine.start()
-    try:
-        sink = request("a", prompt_of(3), 2)
-        engine.submit(sink)
-        assert sink.sink.done.wait(60) and sink.sink.error is None
+    with engine_on_cores(checkpoint, monkeypatch, cores, RecordingRunner, 2) as engine:
         # numba's team cannot grow past the threads it was started with (NUMBA_NUM_THREADS, this machine's cores)
         want = (expected, min(expected, numba.config.NUMBA_NUM_THREADS))
         assert seen[0] == (1, 1)  # the step that decides (when there is a choice) runs on one thread
         assert set(seen[4:]) == {want}  # calibration and the request's steps
         assert why in engine.thread_choice
         assert f"{expected} threads" in engine.describe()
-    finally:
-        engine.stop()
 
 
 @pytest.mark.parametrize("min_kv_bytes, wide", [(0, True), (1 << 40, False)])
@@ -656,7 +668,6 @@ def test_long_context_decode_attention_uses_the_core_left_to_the_stack(
     thread's setting is back to one for everything after it."""
     import numba
 
-    import cpu_engine.engine as engine_module
     import cpu_engine.runner as runner_module
 
     in_attention, at_forward = [], []
@@ -673,22 +684,12 @@ def test_long_context_decode_attention_uses_the_core_left_to_the_stack(
 
     monkeypatch.setattr(runner_module, "paged_decode_attention", recording_attention)
     monkeypatch.setattr(runner_module, "WIDE_ATTENTION_MIN_KV_BYTES", min_kv_bytes)
-    monkeypatch.setattr(engine_module, "LlamaRunner", RecordingRunner)
-    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: {0, 1})
-    engine = Engine.from_config(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64),
-                                cancelled=lambda requests: [False] * len(requests))
-    engine.start()
-    try:
-        sink = request("a", prompt_of(3), 4)
-        engine.submit(sink)
-        assert sink.sink.done.wait(60) and sink.sink.error is None
+    with engine_on_cores(checkpoint, monkeypatch, 2, RecordingRunner, 4) as engine:
         both = min(2, numba.config.NUMBA_NUM_THREADS)  # numba's team cannot grow past NUMBA_NUM_THREADS
         assert engine.scheduler.runner.wide_attention_threads == (both if both > 1 else 0)
         assert ("long contexts on" in engine.describe()) == (both > 1)
         assert in_attention and set(in_attention) == {both if wide else 1}
         assert set(at_forward) == {1}  # every step starts on one thread: the wide setting does not leak
-    finally:
-        engine.stop()
 
 
 def test_channel_polls_in_parts_and_answers_in_request_order(monkeypatch: pytest.MonkeyPatch) -> None:
