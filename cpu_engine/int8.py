@@ -9,16 +9,24 @@ The matmul, where PyTorch has FBGEMM (x86): an int8 x int8 GEMM with int32 sums 
 `linear_with_input_q_dq_qweight_dq_output_fp32`), as llama.cpp's q8_0 multiplies int8 activations with
 int8 weights. Its activations are quantized with one fixed scale and zero point for the whole input, so
 that a row's result cannot depend on the other rows, each row is first divided by its largest |value|
-(then u in [-1, 1]) and quantized on the grid 1/64 with zero point 64, to 0..128 (FBGEMM's AVX2/AVX-512
-kernels sum pairs of uint8 x int8 products in int16: 128 x 127 x 2 fits, 255 x 127 x 2 would not). That
-picture alone lost accuracy against the bfloat16 activations of the weight-only kernel this replaced
-(top-1 agreement 0.92 against 1.0 on the test model), so each row also goes in a second time as what the
-rounding missed, times 128 (again in [-1, 1]); the two results are summed: activations on a grid of
-1/8,192 of their row's maximum (bfloat16 keeps 8 significant bits of each value; this keeps ~13 bits of
-the row's range). The extra row costs little where a step reads weights (batch 1) and doubles the GEMM's
-compute where it is compute-bound (16+ rows). The integer sums are exact and the rest is per element, so a
-row's result does not depend on the batch: a greedy sequence decodes the same alone and batched. The row
-splitting and joining are two small numba loops (the seven PyTorch ops they replace took ~5x their time).
+(then u in [-1, 1]) and quantized on a fixed grid; the product is scaled back by that maximum. Which grid
+depends on how this CPU's FBGEMM kernel adds the uint8 x int8 products (`wide_activations`, probed once):
+- **VNNI** (AVX-512 VNNI, AVX-VNNI: each product straight into int32): the grid 1/127 with zero point 128,
+  codes 1..255, one row of 8 bits per activation row, as q8_0 has (its scale is per 32 values, ours per
+  row).
+- **Without VNNI** (AVX2, AVX-512 F): the kernels add pairs of products in int16 first, so codes stay in
+  0..128 (grid 1/64, zero point 64: 128 x 127 x 2 fits in int16, 255 x 127 x 2 would not). That picture
+  alone lost accuracy (top-1 agreement 0.92 against 1.0 on the test model), so each row also goes in a
+  second time as what the rounding missed, times 128 (again in [-1, 1]); the two results are summed:
+  ~13 bits of the row's range, at twice the GEMM's compute where it is compute-bound (16+ rows).
+Measured on the 2-core AMD EPYC with AVX-512 VNNI, `small`, one thread, plain decode steps, medians of 3
+interleaved rounds (`python -m benchmarks.engine_bench --only w` reports the quality): the 8-bit row
+against the 7-bit row + residual, batch 16 8.8 against 14.0 ms, batch 1 4.7 against 5.1; top-1 agreement
+with float32 over 512 tokens 0.971 against 0.979, max logit error 4.7% against 4.0% of the largest logit
+(the weight-only kernel with bfloat16 activations: 0.979, 4.2%).
+The integer sums are exact and the rest is per element, so a row's result does not depend on the batch:
+a greedy sequence decodes the same alone and batched. The row scaling is two small numba loops (the seven
+PyTorch ops they replace took ~5x their time).
 Measured on a 2-core AMD EPYC (AVX2 only), `small`, 2 threads, wall ms per plain decode step, medians of
 interleaved rounds (`python -m benchmarks.engine_bench --only w`, which runs both kernels): 20.2 at batch 1
 against 23.5 for `torch._weight_int8pack_mm` with bfloat16 activations, 56.9 against 80.8 at batch 16
@@ -32,6 +40,7 @@ activations it took 5x-25x the CPU time on an AMD EPYC with AVX-512), also batch
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 
@@ -47,38 +56,47 @@ _QUANT_MAX = 127  # symmetric: -127..127, so that negation is exact
 _FORMAT = {"format": "int8 weight-only, symmetric, one bfloat16 scale per output channel", "version": "1"}
 
 HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
-# An activation row x / max|x| in [-1, 1] becomes round(64 u) + 64 in 0..128 (see the module docstring), and
-# what that rounding misses (at most 1/128), times 128, is again in [-1, 1] for a second int8 row.
-ACTIVATION_STEPS = 64  # a power of two: u x 64 is exact, so our rounding and the kernel's agree
-ACTIVATION_ZERO_POINT = 64
-RESIDUAL_GAIN = 2 * ACTIVATION_STEPS
+# An activation row x / max|x| = u in [-1, 1] becomes, with VNNI, round(127 u) + 128 in 1..255; without it
+# round(64 u) + 64 in 0..128, and what that rounding misses (at most 1/128), times 128, is again in [-1, 1]
+# for a second int8 row (see the module docstring).
+WIDE_STEPS, WIDE_ZERO_POINT = 127, 128
+NARROW_STEPS, NARROW_ZERO_POINT = 64, 64  # a power of two: u x 64 is exact, so our rounding and the kernel's agree
+RESIDUAL_GAIN = 2 * NARROW_STEPS
 _TINY = np.float32(torch.finfo(torch.float32).tiny)
 
 
 @numba.njit(boundscheck=False, nogil=True, cache=True)
-def _split_rows(x, out, row_max):  # pragma: no cover
+def _split_rows(x, out, row_max, residual):  # pragma: no cover
     """For each row of x ([n, k] float32): row_max[i] = max |x[i]|, out[i] = u = x[i] / row_max[i] (which
-    the kernel rounds to the grid 1/64) and out[n + i] = (u - that rounding) x 128. One pass in place of
-    seven PyTorch ops (~10 us against ~50 for a row of 768)."""
+    the kernel rounds to its grid) and, with `residual`, out[n + i] = (u - its rounding to the grid 1/64) x
+    128. One pass in place of seven PyTorch ops (~10 us against ~50 for a row of 768)."""
     n, k = x.shape
     for i in range(n):
         top = _TINY
         for j in range(k):
             top = max(top, abs(x[i, j]))
         row_max[i, 0] = top
-        gain = np.float32(ACTIVATION_STEPS) / top
+        if not residual:
+            for j in range(k):
+                out[i, j] = x[i, j] / top
+            continue
+        gain = np.float32(NARROW_STEPS) / top
         for j in range(k):
             scaled = x[i, j] * gain
-            out[i, j] = scaled / np.float32(ACTIVATION_STEPS)
-            out[n + i, j] = (scaled - np.rint(scaled)) * np.float32(RESIDUAL_GAIN / ACTIVATION_STEPS)
+            out[i, j] = scaled / np.float32(NARROW_STEPS)
+            out[n + i, j] = (scaled - np.rint(scaled)) * np.float32(RESIDUAL_GAIN / NARROW_STEPS)
 
 
 @numba.njit(boundscheck=False, nogil=True, cache=True)
-def _join_rows(products, row_max, out):  # pragma: no cover
-    """out[i] = (products[i] + products[n + i] / 128) x row_max[i]: the two int8 pictures of row i summed
-    and scaled back."""
+def _join_rows(products, row_max, out, residual):  # pragma: no cover
+    """out[i] = products[i] x row_max[i], with `residual` (products[i] + products[n + i] / 128) x row_max[i]:
+    the row's int8 picture(s) summed and scaled back."""
     n, k = out.shape
     for i in range(n):
+        if not residual:
+            for j in range(k):
+                out[i, j] = products[i, j] * row_max[i, 0]
+            continue
         for j in range(k):
             out[i, j] = (products[i, j] + products[n + i, j] * np.float32(1.0 / RESIDUAL_GAIN)) * row_max[i, 0]
 
@@ -101,6 +119,27 @@ def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.ScriptObject:
     return torch.ops.quantized.linear_prepack(weight, None)
 
 
+@functools.cache
+def wide_activations() -> bool:
+    """Whether this CPU's FBGEMM kernel adds every uint8 x int8 product straight into int32 (VNNI), so that
+    activations may use the codes 0..255 (see the module docstring). Probed rather than read from the CPU
+    flags: the worst case (every code 255 against weights of +-127, at the row counts decode and prefill
+    use) must come back exact; a kernel that adds pairs in int16 first saturates it by half."""
+    if not HAS_FBGEMM:
+        return False
+    inputs = 256
+    weight = torch.full((64, inputs), 127, dtype=torch.int8)
+    weight[1::2] = -127
+    packed = _fbgemm_pack(weight, torch.ones(64, dtype=SCALE_DTYPE))
+    exact = weight[:, 0].double() * inputs * (255 - WIDE_ZERO_POINT) / WIDE_STEPS
+    for rows in (1, 2, 16, 64):
+        products = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            torch.ones(rows, inputs), 1.0 / WIDE_STEPS, WIDE_ZERO_POINT, packed)
+        if not torch.allclose(products.double(), exact.expand(rows, -1), rtol=1e-5, atol=0):
+            return False
+    return True
+
+
 class Int8Projection:
     """`x @ dequant(q).T + bias` on int8 weights; returns x's dtype."""
 
@@ -113,6 +152,9 @@ class Int8Projection:
         self.scale = scale.to(SCALE_DTYPE).clone()
         self._weight_bytes = q.nbytes
         self.packed = _fbgemm_pack(q, self.scale) if fbgemm else None  # False: the weight-only kernel
+        self.wide = self.packed is not None and wide_activations()
+        self.steps, self.zero_point = ((WIDE_STEPS, WIDE_ZERO_POINT) if self.wide
+                                       else (NARROW_STEPS, NARROW_ZERO_POINT))
         # Otherwise a copy in memory of our own: a tensor read from a safetensors file may sit at an address
         # the weight-only kernel's aligned vector loads crash on (seen: a segfault on a test model's qkv).
         self.q = None if self.packed is not None else q.clone(memory_format=torch.contiguous_format)
@@ -126,12 +168,13 @@ class Int8Projection:
         if self.packed is not None:
             rows = x.float().contiguous()
             n = rows.shape[0]
-            both, row_max = torch.empty(2 * n, rows.shape[1]), torch.empty(n, 1)
-            _split_rows(rows.numpy(), both.numpy(), row_max.numpy())
+            residual = not self.wide
+            pictures, row_max = torch.empty((2 if residual else 1) * n, rows.shape[1]), torch.empty(n, 1)
+            _split_rows(rows.numpy(), pictures.numpy(), row_max.numpy(), residual)
             products = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                both, 1.0 / ACTIVATION_STEPS, ACTIVATION_ZERO_POINT, self.packed)
+                pictures, 1.0 / self.steps, self.zero_point, self.packed)
             out = torch.empty(n, products.shape[1])
-            _join_rows(products.numpy(), row_max.numpy(), out.numpy())
+            _join_rows(products.numpy(), row_max.numpy(), out.numpy(), residual)
             out = out.to(x.dtype)
         else:
             out = torch._weight_int8pack_mm(x.to(SCALE_DTYPE), self.q, self.scale).to(x.dtype)
