@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numba
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -177,15 +178,38 @@ def _projections(model: torch.nn.Module, int8_weights: Path | None) -> dict[str,
     return projections
 
 
+@numba.njit(boundscheck=False, nogil=True, cache=True, fastmath={"reassoc", "nsz", "contract"})
+def _rms_norm_rows(x, weight, eps):  # pragma: no cover
+    """weight x x[i] / sqrt(mean(x[i]^2) + eps) for each row of x ([n, k] float32), in float32 as the
+    checkpoint's module computes it (the sum of squares in another order: ~1e-7 apart)."""
+    n, k = x.shape
+    out = np.empty((n, k), dtype=np.float32)
+    for i in range(n):
+        total = np.float32(0.0)
+        for j in range(k):
+            total += x[i, j] * x[i, j]
+        inverse = np.float32(1.0) / np.sqrt(total / np.float32(k) + eps)
+        for j in range(k):
+            out[i, j] = weight[j] * (x[i, j] * inverse)
+    return out
+
+
 class RMSNorm:
-    """The checkpoint's RMSNorm as PyTorch's fused op: the same numbers as the module's seven small ops in
-    half the time, which counts at batch 1, where a step runs 25 of them for a few hundred bytes each."""
+    """The checkpoint's RMSNorm. On float32 rows, one numba loop: PyTorch's `F.rms_norm` runs as five ops on
+    CPU (~20 us for a row of 768 against ~4), which counts at batch 1, where a step runs 25 of them for a
+    few hundred bytes each. Elsewhere (bfloat16, Qwen3's per-head norms) `F.rms_norm`, the same numbers as
+    the module's seven small ops."""
 
     def __init__(self, module: torch.nn.Module):
         self.weight = module.weight.detach()
         self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+        # float32 weights: the numba loop's (None: F.rms_norm only)
+        self._weight_array = self.weight.numpy() if self.weight.dtype == torch.float32 else None
+        self._eps32 = np.float32(self.eps)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._weight_array is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+            return torch.from_numpy(_rms_norm_rows(x.numpy(), self._weight_array, self._eps32))
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -282,6 +306,9 @@ class LlamaRunner:
     def _decode_attention(self, q: torch.Tensor, layer: int, tables: torch.Tensor, lengths: torch.Tensor,
                           threads: int) -> torch.Tensor:
         """Decode attention over the pool in place, on `threads` numba threads (0: as set for this thread)."""
+        if not threads:
+            return paged_decode_attention(q, self.k_cache[layer], self.v_cache[layer], tables, lengths,
+                                          self.block_size, self.scale)
         narrow = numba.get_num_threads()
         numba.set_num_threads(threads or narrow)
         try:
