@@ -153,7 +153,9 @@ class Int8Projection:
     """`x @ dequant(q).T + bias` on int8 weights; returns x's dtype."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 fbgemm: bool = HAS_FBGEMM):
+                 fbgemm: bool = HAS_FBGEMM, wide: bool | None = None):
+        """`wide`: 8-bit activation rows (None: where `wide_activations()`; False: the 7-bit row + residual,
+        right on every CPU)."""
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
             raise ValueError(f"int8 weight [out, in] and [out] scales expected, got {q.dtype} {tuple(q.shape)} "
                              f"and {tuple(scale.shape)}")
@@ -161,7 +163,7 @@ class Int8Projection:
         self.scale = scale.to(SCALE_DTYPE).clone()
         self._weight_bytes = q.nbytes
         self.packed = _fbgemm_pack(q, self.scale) if fbgemm else None  # False: the weight-only kernel
-        self.wide = self.packed is not None and wide_activations()
+        self.wide = self.packed is not None and (wide_activations() if wide is None else wide)
         self.steps, self.zero_point = ((WIDE_STEPS, WIDE_ZERO_POINT) if self.wide
                                        else (NARROW_STEPS, NARROW_ZERO_POINT))
         # Otherwise a copy in memory of our own: a tensor read from a safetensors file may sit at an address

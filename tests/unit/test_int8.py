@@ -37,32 +37,35 @@ def test_per_channel_quantization_is_within_half_a_step_of_each_weight() -> None
     assert float(scale[0]) < float(scale[3]) / 20
 
 
-def activations_as_the_kernel_sees_them(x: torch.Tensor) -> torch.Tensor:
+def activations_as_the_kernel_sees_them(x: torch.Tensor, wide: bool) -> torch.Tensor:
     """The activation scheme cpu_engine.int8 documents: with FBGEMM, each row over its largest |value| on
-    the grid 1/127 (VNNI), or on the grid 1/64 plus what that misses on a grid 128 times finer, scaled back;
-    otherwise bfloat16."""
+    the grid 1/127 (`wide`), or on the grid 1/64 plus what that misses on a grid 128 times finer, scaled
+    back; otherwise bfloat16."""
     if not HAS_FBGEMM:
         return x.to(torch.bfloat16).float()
     row_max = x.abs().amax(dim=1, keepdim=True)
     unit = x / row_max
-    if wide_activations():
+    if wide:
         return torch.round(unit * WIDE_STEPS) / WIDE_STEPS * row_max
     high = torch.round(unit * NARROW_STEPS) / NARROW_STEPS
     low = torch.round((unit - high) * RESIDUAL_GAIN * NARROW_STEPS) / NARROW_STEPS / RESIDUAL_GAIN
     return (high + low) * row_max
 
 
-def test_int8_projection_computes_its_documented_scheme_in_any_batch() -> None:
+@pytest.mark.parametrize("wide", [False, True], ids=["7-bit row + residual", "8-bit row"])
+def test_int8_projection_computes_its_documented_scheme_in_any_batch(wide: bool) -> None:
+    if wide and not wide_activations():
+        pytest.skip("FBGEMM on this CPU adds pairs of products in int16 (no VNNI): 8-bit rows would saturate")
     generator = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
     q, scale = quantize_per_channel(weight)
-    projection = Int8Projection(q, scale, bias)
+    projection = Int8Projection(q, scale, bias, wide=wide)
     x = torch.randn(40, 64, generator=generator)
     dequantized = q.float() * scale.float()[:, None]
     out = projection(x)
     assert out.dtype == torch.float32
     # The kernel does exactly the scheme (int8 weights, activations quantized per row)...
-    expected = torch.nn.functional.linear(activations_as_the_kernel_sees_them(x), dequantized, bias)
+    expected = torch.nn.functional.linear(activations_as_the_kernel_sees_them(x, projection.wide), dequantized, bias)
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
     # ... which stays near the float product: a wrong scale or zero point is off by the outputs' own size.
     exact = torch.nn.functional.linear(x, weight, bias)
@@ -135,9 +138,9 @@ def test_the_activation_grid_never_saturates_the_kernel() -> None:
     inputs = 512
     q = torch.full((32, inputs), 127, dtype=torch.int8)
     q[1::2] = -127
-    projection = Int8Projection(q, torch.ones(32))
     exact = torch.nn.functional.linear(torch.ones(1, inputs), q.float())
-    for rows in (1, 16, 74):
-        torch.testing.assert_close(projection(torch.ones(rows, inputs)), exact.expand(rows, -1), rtol=1e-5, atol=0)
-    if HAS_FBGEMM:
-        assert projection.wide == wide_activations()
+    chosen = Int8Projection(q, torch.ones(32))
+    assert chosen.wide == (HAS_FBGEMM and wide_activations())
+    for projection in (chosen, Int8Projection(q, torch.ones(32), wide=False)):
+        for rows in (1, 16, 74):
+            torch.testing.assert_close(projection(torch.ones(rows, inputs)), exact.expand(rows, -1), rtol=1e-5, atol=0)
