@@ -194,9 +194,32 @@ def _rms_norm_rows(x, weight, eps):  # pragma: no cover
     return out
 
 
+@numba.njit(boundscheck=False, nogil=True, cache=True)
+def _rotate_and_store(qk, v, cos, sin_signed, heads, places, k_pool, v_pool, q_out):  # pragma: no cover
+    """Rotary on q and k (x cos + roll(x, head_dim / 2) sin_signed, each product rounded as PyTorch's three
+    ops round them) into q_out and, with v, into each token's row of the layer's pool (`places`): one call
+    for the nine small ops a layer ran for it. qk [T, heads + kv_heads, head_dim], v [T, kv_heads,
+    head_dim], cos / sin_signed [T, 1, head_dim] (float32 views, any strides)."""
+    tokens, all_heads, dim = qk.shape
+    half = dim // 2
+    for t in range(tokens):
+        place = places[t]
+        for h in range(all_heads):
+            for d in range(dim):
+                partner = qk[t, h, d + half] if d < half else qk[t, h, d - half]
+                value = qk[t, h, d] * cos[t, 0, d] + partner * sin_signed[t, 0, d]
+                if h < heads:
+                    q_out[t, h, d] = value
+                else:
+                    k_pool[place, h - heads, d] = value
+        for h in range(v.shape[1]):
+            for d in range(dim):
+                v_pool[place, h, d] = v[t, h, d]
+
+
 class RMSNorm:
     """The checkpoint's RMSNorm. On float32 rows, one numba loop: PyTorch's `F.rms_norm` runs as five ops on
-    CPU (~20 us for a row of 768 against ~4), which counts at batch 1, where a step runs 25 of them for a
+    CPU (8.6 us for a row of 768 against 3.1), which counts at batch 1, where a step runs 25 of them for a
     few hundred bytes each. Elsewhere (bfloat16, Qwen3's per-head norms) `F.rms_norm`, the same numbers as
     the module's seven small ops."""
 
@@ -277,6 +300,9 @@ class LlamaRunner:
 
         # Decode attention reads the pool in place (float32); bfloat16 gathers (see the module docstring).
         self.in_place_decode = self.dtype == torch.float32
+        # The pool's layers as numpy views, made once (the pool is never reallocated), for the numba kernels.
+        self._k_arrays = [layer.numpy() for layer in self.k_cache] if self.in_place_decode else []
+        self._v_arrays = [layer.numpy() for layer in self.v_cache] if self.in_place_decode else []
         self.kv_bytes_per_position = 2 * self.kv_size * self.k_cache.element_size()  # K and V, one layer
         # Threads for the in-place decode attention of steps that read at least WIDE_ATTENTION_MIN_KV_BYTES of
         # K/V a layer (0: the calling thread's numba setting, like every other step). The engine sets it when
@@ -310,7 +336,7 @@ class LlamaRunner:
             return paged_decode_attention(q, self.k_cache[layer], self.v_cache[layer], tables, lengths,
                                           self.block_size, self.scale)
         narrow = numba.get_num_threads()
-        numba.set_num_threads(threads or narrow)
+        numba.set_num_threads(threads)
         try:
             return paged_decode_attention(q, self.k_cache[layer], self.v_cache[layer], tables, lengths,
                                           self.block_size, self.scale)
@@ -362,6 +388,8 @@ class LlamaRunner:
             if not self.in_place_decode:
                 decode_mask = (torch.arange(per_row * block_size)[None, :] < dec_len[:, None])[:, None, None, :]
 
+        if self.in_place_decode:
+            rotary_arrays, places_array = (cos.numpy(), sin_signed.numpy()), places_t.numpy()
         wide = (self.wide_attention_threads if num_decode and self.in_place_decode and
                 int(dec_len.sum()) * self.kv_bytes_per_position >= WIDE_ATTENTION_MIN_KV_BYTES else 0)
         for layer_idx, layer in enumerate(self.layers):
@@ -371,10 +399,15 @@ class LlamaRunner:
             v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
             if layer.q_norm is not None:
                 qk = torch.cat((layer.q_norm(qk[:, :self.num_heads]), layer.k_norm(qk[:, self.num_heads:])), dim=1)
-            qk = qk * cos + torch.roll(qk, half, dims=-1) * sin_signed
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-            self.k_cache[layer_idx].index_copy_(0, places_t, k)
-            self.v_cache[layer_idx].index_copy_(0, places_t, v)
+            if self.in_place_decode:  # float32
+                q = torch.empty(num_tokens, self.num_heads, self.head_dim)
+                _rotate_and_store(qk.numpy(), v.numpy(), rotary_arrays[0], rotary_arrays[1], self.num_heads,
+                                  places_array, self._k_arrays[layer_idx], self._v_arrays[layer_idx], q.numpy())
+            else:
+                qk = qk * cos + torch.roll(qk, half, dims=-1) * sin_signed
+                q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+                self.k_cache[layer_idx].index_copy_(0, places_t, k)
+                self.v_cache[layer_idx].index_copy_(0, places_t, v)
 
             outputs = []
             if num_decode and self.in_place_decode:
