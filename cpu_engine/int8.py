@@ -171,6 +171,14 @@ class Int8Projection:
         self.q = None if self.packed is not None else q.clone(memory_format=torch.contiguous_format)
 
     @property
+    def kernel(self) -> str:
+        """Which kernel and activations, for the server log."""
+        if self.packed is None:
+            return "weight-only int8 kernel, bfloat16 activations"
+        return ("FBGEMM, 8-bit activation rows (VNNI)" if self.wide
+                else "FBGEMM, 7-bit activation rows + residual (no VNNI)")
+
+    @property
     def nbytes(self) -> int:
         """What one call reads of the weights, scales and bias."""
         return self._weight_bytes + self.scale.nbytes + (0 if self.bias is None else self.bias.nbytes)

@@ -2,9 +2,10 @@
 
 Hugging Face's generic forward wants one padded rectangle per call and a cache per batch, which cannot
 express "sequence A decodes its 40th token while sequence B reads the second chunk of its prompt". Like
-TensorRT-LLM and vLLM, we run the Llama-family forward ourselves over the checkpoint's own modules (the
-embedding, RMSNorms, projections, MLP and rotary tables are Hugging Face's; only attention and the cache
-are ours), so every step is one packed forward for all active sequences:
+TensorRT-LLM and vLLM, we run the Llama-family forward ourselves over the checkpoint's own weights (the
+embedding, the rotary tables and the MLP's activation are Hugging Face's modules; the norms, projections,
+rotary, attention and the cache are ours, with the modules' numbers), so every step is one packed forward
+for all active sequences:
 
 - all tokens of the step go through the linear layers together, as one [T, hidden] matrix (q/k/v and
   gate/up fused into one GEMM each; on float weights, or on the build's int8 copy: cpu_engine.int8);
@@ -12,7 +13,9 @@ are ours), so every step is one packed forward for all active sequences:
   and for V), preallocated once; a sequence's block table (which the scheduler owns, see
   cpu_engine.kv_blocks) says which blocks hold its positions, so a sequence holds only the blocks it
   uses and sequences with the same prefix can share its blocks;
-- each token's K/V is written to its place in its sequence's blocks; decode tokens attend as one batch,
+- each token's K/V is written to its place in its sequence's blocks (on float32 pools together with the
+  rotary, one numba call a layer: a batch-1 step runs ~40 small ops a layer, and each costs microseconds
+  of Python and dispatch before any arithmetic); decode tokens attend as one batch,
   reading the pool in place through their block tables (cpu_engine.paged_attention; a bfloat16 engine
   gathers each sequence's blocks into a [batch, kv_heads, length, head_dim] tensor instead); each prompt
   chunk attends on its own, over its blocks gathered, with a causal mask offset by what its sequence

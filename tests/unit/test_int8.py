@@ -141,6 +141,7 @@ def test_the_activation_grid_never_saturates_the_kernel() -> None:
     exact = torch.nn.functional.linear(torch.ones(1, inputs), q.float())
     chosen = Int8Projection(q, torch.ones(32))
     assert chosen.wide == (HAS_FBGEMM and wide_activations())
+    assert ("8-bit activation rows" in chosen.kernel) == chosen.wide  # what the server log says
     for projection in (chosen, Int8Projection(q, torch.ones(32), wide=False)):
         for rows in (1, 16, 74):
             torch.testing.assert_close(projection(torch.ones(rows, inputs)), exact.expand(rows, -1), rtol=1e-5, atol=0)
