@@ -32,7 +32,7 @@ from tests.trtllm_contract.double import add_contract_double
 
 
 # Test copies of the engine model (same weights), each with what a test needs (engine_knobs.py); a step
-# delay makes a stream last at least (tokens x delay) on any machine:
+# delay makes a stream last at least ((tokens - 1) x delay) on any machine:
 SLOW_MODEL = "tensorrt_llm_slow"  # >= 50 ms a step: 450 tokens take >= 22 s
 HELD_MODEL = "tensorrt_llm_held"  # no response leaves until 60 s after the request (or its end)
 FAULTY_MODEL = "tensorrt_llm_faulty"  # a request with seed FAIL_SEED fails after its first token

@@ -9,7 +9,7 @@ the real `tensorrt_llm` in one tritonserver, each its own engine with its own `c
 metrics. Knobs (all optional):
 
 - `test_step_delay_s` (float): the engine thread sleeps this long after every step, after the step's
-  responses were delivered, so a stream of N tokens takes at least N x delay on any machine.
+  responses were delivered, so a stream of N tokens takes at least (N - 1) x delay on any machine.
 - `test_hold_first_response_s` (float): a request's responses reach Triton no sooner than this long after
   the engine received the request; its tokens accumulate meanwhile and then go out together, in order. A
   final (or error) response goes out when it comes, with everything held before it. The engine keeps

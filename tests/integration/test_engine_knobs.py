@@ -128,15 +128,18 @@ def running_since(before: dict[str, float], slots: int = 1) -> Callable[[dict[st
 def test_step_delay_makes_every_token_take_at_least_the_delay(knob_server: KnobServer) -> None:
     stream, events = run(knob_server.grpc_url, SLOW, engine_inputs(20))
     assert not any(e.error for e in events) and sum(e.tokens for e in events) == 20
-    assert events[-1].at - stream.sent_at >= 20 * DELAY_S
+    # The delay follows each step, after its token went out: 19 of them lie between the first token and the
+    # last (20 x the delay held only while the steps themselves took a delay's worth: a fast engine got the
+    # 20 tokens out 0.996 s after the send).
+    assert events[-1].at - stream.sent_at >= 19 * DELAY_S
 
 
 def test_hold_keeps_the_responses_back_then_sends_what_accumulated(knob_server: KnobServer) -> None:
-    # 40 tokens take >= 40 x the held model's step delay, far less than its hold: the hold keeps every
+    # 40 tokens take >= 39 x the held model's step delay, far less than its hold: the hold keeps every
     # token back until the final response, which then carries them out, one response per token, in order.
     stream, events = run(knob_server.grpc_url, HELD, engine_inputs(40))
     token_events = [e for e in events if e.tokens]
-    steps_s = 40 * KNOB_MODELS[HELD]["test_step_delay_s"]
+    steps_s = 39 * KNOB_MODELS[HELD]["test_step_delay_s"]  # the delays between the first token and the last
     assert events[0].at - stream.sent_at >= steps_s and events[-1].at - events[0].at < steps_s
     assert len(token_events) == 40 and all(e.tokens == 1 for e in token_events)
     assert not any(e.error for e in events) and events[-1].final

@@ -32,7 +32,7 @@ async def test_triton_killed_mid_stream_then_restarted(built_engine: Path, tmp_p
     http, grpc, metrics, port = (find_free_port() for _ in range(4))
     repository = tmp_path / "model_repository"
     shutil.copytree(built_engine / "model_repository" / "tensorrt_llm", repository / "tensorrt_llm")
-    add_knob_model(repository, SLOW, test_step_delay_s=0.05)  # 450 tokens take >= 22.5 s
+    add_knob_model(repository, SLOW, test_step_delay_s=0.05)  # 450 tokens take >= 22 s
     shutil.rmtree(repository / "tensorrt_llm")
 
     def triton() -> TritonServer:
