@@ -335,16 +335,15 @@ class LlamaRunner:
     def _decode_attention(self, q: torch.Tensor, layer: int, tables: torch.Tensor, lengths: torch.Tensor,
                           threads: int) -> torch.Tensor:
         """Decode attention over the pool in place, on `threads` numba threads (0: as set for this thread)."""
-        if not threads:
-            return paged_decode_attention(q, self.k_cache[layer], self.v_cache[layer], tables, lengths,
-                                          self.block_size, self.scale)
-        narrow = numba.get_num_threads()
-        numba.set_num_threads(threads)
+        narrow = numba.get_num_threads() if threads else 0  # no switch (two numba calls) when not wide
+        if threads:
+            numba.set_num_threads(threads)
         try:
             return paged_decode_attention(q, self.k_cache[layer], self.v_cache[layer], tables, lengths,
                                           self.block_size, self.scale)
         finally:
-            numba.set_num_threads(narrow)
+            if threads:
+                numba.set_num_threads(narrow)
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
