@@ -436,8 +436,11 @@ class TritonProcess:
         self._last_problem = None
         self.server.start()
 
-    def stop(self) -> None:
-        self.server.stop()
+    def stop(self, *, failed: bool = False) -> None:
+        if failed:
+            self.server.stop(LEFTOVER_STOP_GRACE_S)
+        else:
+            self.server.stop()
 
     def ready(self) -> bool:
         return self.server.is_ready()
@@ -492,8 +495,9 @@ class FrontendProcess:
         self._stopped = False
         _frontend_pid = self.proc.pid
 
-    def stop(self, grace_s: float = LEFTOVER_STOP_GRACE_S) -> None:
-        """Stop the group once (a second killpg could hit a recycled pid); grace_s covers the drain."""
+    def stop(self, grace_s: float = LEFTOVER_STOP_GRACE_S, *, failed: bool = False) -> None:
+        """Stop the group once (a second killpg could hit a recycled pid); grace_s covers the drain (a failed
+        frontend's leftovers get the same few seconds)."""
         global _frontend_pid
         if self.proc is None or self._stopped:
             return

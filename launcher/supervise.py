@@ -67,7 +67,10 @@ class Child(Protocol):
 
     def start(self) -> None: ...
 
-    def stop(self) -> None: ...
+    def stop(self, *, failed: bool = False) -> None:
+        """failed: it died or does not serve, and a restart follows. There is nothing clean to wait for then
+        (a server whose backend stub is dead waits its whole exit timeout for an unload that never ends, and
+        the restart with it), so what is left of it gets a few seconds before SIGKILL."""
 
     def ready(self) -> bool: ...
 
@@ -250,10 +253,10 @@ class Supervisor:
             why = ("restarts are off (MAX_RESTARTS_PER_MINUTE=0)" if limit == 0 else
                    f"it was already restarted {track.budget.recent()} times in the last minute "
                    f"(MAX_RESTARTS_PER_MINUTE={limit})")
-            child.stop()  # leftovers (e.g. backend stubs) go now; the launcher stops the rest on its way out
+            child.stop(failed=True)  # leftovers (e.g. backend stubs) go now; the launcher stops the rest
             raise RestartBudgetExceeded(f"{child.name} (pid {pid}) {how}; {why}; giving up\n{child.failure_detail()}")
         track.restarts += 1
         track.phase, track.restart_at, track.unhealthy_since = "waiting", now + delay, None
         self._log(f"launcher: {child.name} (pid {pid}) {how}; restart {track.restarts} in {delay:.1f} s "
                   f"({track.budget.recent()} of at most {self.max_restarts_per_minute} in the last minute)")
-        child.stop()
+        child.stop(failed=True)

@@ -104,6 +104,9 @@ async def test_control_api_needs_the_key_and_the_engine_heals_from_a_dead_stub_a
             # The launcher restarted Triton: after its health probe found the stub dead ("does not serve: ...
             # is not healthy"), or because tritonserver aborted by itself (it sometimes does when a stub dies).
             assert "launcher: tritonserver restarted" in launcher.log()
+            # The Triton with the dead stub was SIGKILLed a few seconds after SIGTERM, not left to wait out its
+            # 30 s exit timeout on an unload that never ends (the restart waited for it).
+            assert "Exit timeout expired" not in (tmp_path / "work" / "logs" / "tritonserver.log.1").read_text()
 
             # 3. The model unloaded behind the frontend's back (as a crashed engine unloads itself): reloaded.
             restarted = launcher.child(TRITON, {triton})

@@ -190,6 +190,7 @@ class FakeChild:
         self.repairs: list[Problem] = []
         self.starts = 0
         self.stops = 0
+        self.failed_stops = 0  # stops of a child that died or did not serve (a short grace: no clean exit)
         self._pid = 100
 
     @property
@@ -204,8 +205,9 @@ class FakeChild:
         self._pid += 1
         self.exit_code = None
 
-    def stop(self) -> None:
+    def stop(self, *, failed: bool = False) -> None:
         self.stops += 1
+        self.failed_stops += failed
 
     def ready(self) -> bool:
         return self.is_ready
@@ -290,7 +292,7 @@ def test_only_the_dead_process_is_restarted_after_its_backoff() -> None:
     supervisor.step()
     assert lines == ["launcher: tritonserver (pid 100) was killed by SIGKILL (code -9); restart 1 in 1.0 s "
                      "(1 of at most 5 in the last minute)"]
-    assert triton.stops == 1 and triton.starts == 0  # leftovers stopped at once, the restart waits
+    assert triton.failed_stops == 1 and triton.starts == 0  # leftovers stopped at once, the restart waits
     clock.advance(0.9)
     supervisor.step()
     assert triton.starts == 0 and supervisor.phase("tritonserver") == "waiting"
