@@ -26,7 +26,9 @@ with float32 over 512 tokens 0.971 against 0.979, max logit error 4.7% against 4
 (the weight-only kernel with bfloat16 activations: 0.979, 4.2%).
 The integer sums are exact and the rest is per element, so a row's result does not depend on the batch:
 a greedy sequence decodes the same alone and batched. The row scaling is two small numba loops (the seven
-PyTorch ops they replace took ~5x their time).
+PyTorch ops they replace took ~5x their time), and in a decoder layer they also do the ops around each
+projection (`Int8Projection.fused`: the RMSNorm before it, the gate's product before `down`, the bias and the
+residual add after), six PyTorch ops fewer a layer for the same bits.
 Measured on a 2-core AMD EPYC (AVX2 only), `small`, 2 threads, wall ms per plain decode step, medians of
 interleaved rounds (`python -m benchmarks.engine_bench --only w`, which runs both kernels): 20.2 at batch 1
 against 23.5 for `torch._weight_int8pack_mm` with bfloat16 activations, 56.9 against 80.8 at batch 16
@@ -42,11 +44,14 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numba
 import numpy as np
 import torch
+
+from cpu_engine.row_kernels import RMSNorm, rms_norm_row
 
 # Scales are bfloat16 (the weight-only kernel's own dtype; FBGEMM takes them exactly as float64);
 # quantizing with the rounded scale makes q x scale the weight's closest int8 picture for the scale the
@@ -63,6 +68,7 @@ WIDE_STEPS, WIDE_ZERO_POINT = 127, 128
 NARROW_STEPS, NARROW_ZERO_POINT = 64, 64  # a power of two: u x 64 is exact, so our rounding and the kernel's agree
 RESIDUAL_GAIN = 2 * NARROW_STEPS
 _TINY = np.float32(torch.finfo(torch.float32).tiny)
+_NO_BIAS, _NO_ROWS = np.empty(0, dtype=np.float32), np.empty((0, 0), dtype=np.float32)  # the join's "none"
 # The op's one overload, resolved once, and its C++ entry point (`_op`): through the overload packet each call
 # first searches its arguments for script objects (the packed weight is one), ~4 us a call, and the overload's
 # Python __call__ then checks them for torch.compile's fake script objects, ~1.1 us more (8.6 against 9.8 us
@@ -71,45 +77,82 @@ _INT8_GEMM = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.d
 
 
 @numba.njit(boundscheck=False, nogil=True, cache=True)
+def _split_row(x, residual, pictures, i, n):  # pragma: no cover
+    """Row i of pictures = u = x / max |x| (which the kernel rounds to its grid) and, with `residual`, row
+    n + i = (u - its rounding to the grid 1/64) x 128; returns max |x|."""
+    k = x.shape[0]
+    top = _TINY
+    for j in range(k):
+        top = max(top, abs(x[j]))
+    if not residual:
+        inverse = np.float32(1.0) / top
+        for j in range(k):
+            pictures[i, j] = x[j] * inverse
+        return top
+    gain = np.float32(NARROW_STEPS) / top
+    for j in range(k):
+        scaled = x[j] * gain
+        pictures[i, j] = scaled / np.float32(NARROW_STEPS)
+        pictures[n + i, j] = (scaled - np.rint(scaled)) * np.float32(RESIDUAL_GAIN / NARROW_STEPS)
+    return top
+
+
+@numba.njit(boundscheck=False, nogil=True, cache=True)
 def _split_rows(x, residual):  # pragma: no cover
-    """(pictures, row_max) for x ([n, k] float32): row_max[i] = max |x[i]|, pictures[i] = u = x[i] /
-    row_max[i] (which the kernel rounds to its grid) and, with `residual`, pictures[n + i] = (u - its
-    rounding to the grid 1/64) x 128. One call in place of seven PyTorch ops (~10 us against ~50 for a row
-    of 768)."""
+    """(pictures, row_max) for x ([n, k] float32): _split_row for each row. One call in place of seven
+    PyTorch ops (~10 us against ~50 for a row of 768)."""
     n, k = x.shape
     pictures = np.empty(((2 if residual else 1) * n, k), dtype=np.float32)
     row_max = np.empty((n, 1), dtype=np.float32)
     for i in range(n):
-        top = _TINY
-        for j in range(k):
-            top = max(top, abs(x[i, j]))
-        row_max[i, 0] = top
-        if not residual:
-            inverse = np.float32(1.0) / top
-            for j in range(k):
-                pictures[i, j] = x[i, j] * inverse
-            continue
-        gain = np.float32(NARROW_STEPS) / top
-        for j in range(k):
-            scaled = x[i, j] * gain
-            pictures[i, j] = scaled / np.float32(NARROW_STEPS)
-            pictures[n + i, j] = (scaled - np.rint(scaled)) * np.float32(RESIDUAL_GAIN / NARROW_STEPS)
+        row_max[i, 0] = _split_row(x[i], residual, pictures, i, n)
     return pictures, row_max
 
 
 @numba.njit(boundscheck=False, nogil=True, cache=True)
-def _join_rows(products, row_max, residual):  # pragma: no cover
-    """out[i] = products[i] x row_max[i], with `residual` (products[i] + products[n + i] / 128) x row_max[i]:
-    the row's int8 picture(s) summed and scaled back."""
+def _norm_split_rows(x, weight, eps, residual):  # pragma: no cover
+    """_split_rows of RMSNorm(x) (row_kernels.rms_norm_row): the norm before a projection, in the same call."""
+    n, k = x.shape
+    pictures = np.empty(((2 if residual else 1) * n, k), dtype=np.float32)
+    row_max = np.empty((n, 1), dtype=np.float32)
+    normed = np.empty(k, dtype=np.float32)
+    for i in range(n):
+        rms_norm_row(x[i], weight, eps, normed)
+        row_max[i, 0] = _split_row(normed, residual, pictures, i, n)
+    return pictures, row_max
+
+
+@numba.njit(boundscheck=False, nogil=True, cache=True)
+def _gated_split_rows(acted_gate, gate_up, residual):  # pragma: no cover
+    """_split_rows of act(gate) x up, from act(gate) and the rows gate_up = [gate | up]: the gated MLP's input
+    to its down projection, the product in the same call."""
+    n, k = acted_gate.shape
+    pictures = np.empty(((2 if residual else 1) * n, k), dtype=np.float32)
+    row_max = np.empty((n, 1), dtype=np.float32)
+    gated = np.empty(k, dtype=np.float32)
+    for i in range(n):
+        for j in range(k):
+            gated[j] = acted_gate[i, j] * gate_up[i, k + j]
+        row_max[i, 0] = _split_row(gated, residual, pictures, i, n)
+    return pictures, row_max
+
+
+@numba.njit(boundscheck=False, nogil=True, cache=True)
+def _join_rows(products, row_max, residual, bias, addend):  # pragma: no cover
+    """out[i] = addend[i] + (products[i] x row_max[i] + bias), with `residual` (products[i] + products[n + i]
+    / 128) x row_max[i]: the row's int8 picture(s) summed and scaled back. An empty bias or addend (0
+    elements) is left out: the residual stream's add after a projection, in the same call."""
     n, k = row_max.shape[0], products.shape[1]
     out = np.empty((n, k), dtype=np.float32)
     for i in range(n):
-        if not residual:
-            for j in range(k):
-                out[i, j] = products[i, j] * row_max[i, 0]
-            continue
         for j in range(k):
-            out[i, j] = (products[i, j] + products[n + i, j] * np.float32(1.0 / RESIDUAL_GAIN)) * row_max[i, 0]
+            value = products[i, j]
+            if residual:
+                value = value + products[n + i, j] * np.float32(1.0 / RESIDUAL_GAIN)
+            value = value * row_max[i, 0]
+            if bias.shape[0]:
+                value = value + bias[j]
+            out[i, j] = addend[i, j] + value if addend.shape[0] else value
     return out
 
 
@@ -166,6 +209,10 @@ class Int8Projection:
         self._weight_bytes = q.nbytes
         self.packed = _fbgemm_pack(q, self.scale) if fbgemm else None  # False: the weight-only kernel
         self.wide = self.packed is not None and (wide_activations() if wide is None else wide)
+        # FBGEMM's join kernel adds a float32 bias (an empty array: none); any other is added as a tensor.
+        bias_in_join = self.packed is not None and bias is not None and bias.dtype == torch.float32
+        self._fused_bias = bias.numpy() if bias_in_join else _NO_BIAS
+        self._bias_after = None if bias_in_join else bias
         self.steps, self.zero_point = ((WIDE_STEPS, WIDE_ZERO_POINT) if self.wide
                                        else (NARROW_STEPS, NARROW_ZERO_POINT))
         # Otherwise a copy in memory of our own: a tensor read from a safetensors file may sit at an address
@@ -186,16 +233,31 @@ class Int8Projection:
         return self._weight_bytes + self.scale.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            residual = not self.wide
-            pictures, row_max = _split_rows(x.float().contiguous().numpy(), residual)
-            products = _INT8_GEMM(torch.from_numpy(pictures), 1.0 / self.steps, self.zero_point, self.packed)
-            out = torch.from_numpy(_join_rows(products.numpy(), row_max, residual))
-            if x.dtype != torch.float32:
-                out = out.to(x.dtype)
-        else:
+        if self.packed is None:
             out = torch._weight_int8pack_mm(x.to(SCALE_DTYPE), self.q, self.scale).to(x.dtype)
-        return out if self.bias is None else out + self.bias
+        else:
+            out = self.fused(x.float().contiguous())
+            out = out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out if self._bias_after is None else out + self._bias_after
+
+    def fused(self, x: torch.Tensor, norm: RMSNorm | None = None, act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """add_to + this projection of norm(x), or of act(gate) x up for rows x = [gate | up] (`act`), in
+        float32. The norm, the gate's product, the bias and the add run inside the row kernels around
+        FBGEMM's product instead of as PyTorch ops of their own: at batch 1 each op costs microseconds of
+        Python and dispatch, more than its arithmetic. FBGEMM only; x and add_to float32 rows, `norm` with
+        float32 weights."""
+        residual = not self.wide
+        rows = x.numpy()
+        if norm is not None:
+            pictures, row_max = _norm_split_rows(rows, norm.weight_array, norm.eps32, residual)
+        elif act is not None:
+            pictures, row_max = _gated_split_rows(act(x[:, :x.shape[1] // 2]).numpy(), rows, residual)
+        else:
+            pictures, row_max = _split_rows(rows, residual)
+        products = _INT8_GEMM(torch.from_numpy(pictures), 1.0 / self.steps, self.zero_point, self.packed)
+        addend = _NO_ROWS if add_to is None else add_to.numpy()
+        return torch.from_numpy(_join_rows(products.numpy(), row_max, residual, self._fused_bias, addend))
 
 
 def save_int8_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:

@@ -38,6 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from cpu_engine.config import EngineConfig
 from cpu_engine.int8 import Int8Projection, load_int8_weights
 from cpu_engine.paged_attention import paged_decode_attention
+from cpu_engine.row_kernels import RMSNorm
 
 # Architectures whose decoder layer is Llama's: RMSNorm, rotary, GQA attention (optional q/k/v bias,
 # optional per-head q/k norm), gated MLP.
@@ -181,22 +182,6 @@ def _projections(model: torch.nn.Module, int8_weights: Path | None) -> dict[str,
     return projections
 
 
-@numba.njit(boundscheck=False, nogil=True, cache=True, fastmath={"reassoc", "nsz", "contract"})
-def _rms_norm_rows(x, weight, eps):  # pragma: no cover
-    """weight x x[i] / sqrt(mean(x[i]^2) + eps) for each row of x ([n, k] float32), in float32 as the
-    checkpoint's module computes it (the sum of squares in another order: ~1e-7 apart)."""
-    n, k = x.shape
-    out = np.empty((n, k), dtype=np.float32)
-    for i in range(n):
-        total = np.float32(0.0)
-        for j in range(k):
-            total += x[i, j] * x[i, j]
-        inverse = np.float32(1.0) / np.sqrt(total / np.float32(k) + eps)
-        for j in range(k):
-            out[i, j] = weight[j] * (x[i, j] * inverse)
-    return out
-
-
 @numba.njit(boundscheck=False, nogil=True, cache=True)
 def _rotate_and_store(qk, v, cos, sin_signed, heads, places, k_pool, v_pool, q_out):  # pragma: no cover
     """Rotary on q and k (x cos + roll(x, head_dim / 2) sin_signed, each product rounded as PyTorch's three
@@ -220,25 +205,6 @@ def _rotate_and_store(qk, v, cos, sin_signed, heads, places, k_pool, v_pool, q_o
                 v_pool[place, h, d] = v[t, h, d]
 
 
-class RMSNorm:
-    """The checkpoint's RMSNorm. On float32 rows, one numba loop: PyTorch's `F.rms_norm` runs as five ops on
-    CPU (8.6 us for a row of 768 against 3.1), which counts at batch 1, where a step runs 25 of them for a
-    few hundred bytes each. Elsewhere (bfloat16, Qwen3's per-head norms) `F.rms_norm`, the same numbers as
-    the module's seven small ops."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.weight = module.weight.detach()
-        self.eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
-        # float32 weights: the numba loop's (None: F.rms_norm only)
-        self._weight_array = self.weight.numpy() if self.weight.dtype == torch.float32 else None
-        self._eps32 = np.float32(self.eps)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._weight_array is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
-            return torch.from_numpy(_rms_norm_rows(x.numpy(), self._weight_array, self._eps32))
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-
-
 class FusedLayer:
     """A decoder layer's norms and projections (the checkpoint's modules are dropped)."""
 
@@ -253,6 +219,30 @@ class FusedLayer:
         self.gate_up = projections[f"layers.{index}.gate_up"]
         self.down = projections[f"layers.{index}.down"]
         self.act = mlp.act_fn
+        # Int8 on FBGEMM with float32 norms: the norms, the gate's product and the residual adds run in the
+        # projections' own row kernels (Int8Projection.fused), 6 PyTorch ops fewer a layer.
+        int8 = [self.qkv, self.o_proj, self.gate_up, self.down]
+        self.fused = (all(isinstance(p, Int8Projection) and p.packed is not None for p in int8)
+                      and self.input_norm.weight_array is not None and self.post_norm.weight_array is not None)
+
+    def qkv_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """q, k and v of the residual stream's rows (before rotary)."""
+        if self.fused:
+            return self.qkv.fused(hidden, norm=self.input_norm)
+        return self.qkv(self.input_norm(hidden))
+
+    def add_attention(self, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention: hidden + o_proj(attention)."""
+        if self.fused:
+            return self.o_proj.fused(attention, add_to=hidden)
+        return hidden + self.o_proj(attention)
+
+    def add_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the gated MLP: hidden + down(act(gate) x up), [gate | up] of the norm."""
+        if self.fused:
+            return self.down.fused(self.gate_up.fused(hidden, norm=self.post_norm), act=self.act, add_to=hidden)
+        gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down(self.act(gate) * up)
 
 
 class LlamaRunner:
@@ -395,7 +385,7 @@ class LlamaRunner:
         wide = (self.wide_attention_threads if num_decode and self.in_place_decode and
                 int(dec_len.sum()) * self.kv_bytes_per_position >= WIDE_ATTENTION_MIN_KV_BYTES else 0)
         for layer_idx, layer in enumerate(self.layers):
-            qkv = layer.qkv(layer.input_norm(hidden))
+            qkv = layer.qkv_of(hidden)
             qk_size = self.q_size + self.kv_size
             qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -438,9 +428,7 @@ class LlamaRunner:
                 outputs.append(out[0].transpose(0, 1).reshape(chunk.length, -1))
                 offset += chunk.length
             attn_out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
-            hidden = hidden + layer.o_proj(attn_out)
-            gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
-            hidden = hidden + layer.down(layer.act(gate) * up)
+            hidden = layer.add_mlp(layer.add_attention(hidden, attn_out))
 
         if not logits_rows:  # a step of prompt chunks that all end mid-prompt
             return torch.empty(0, self.vocab_size)

@@ -14,7 +14,8 @@ from build_engine.__main__ import main as build_main
 from cpu_engine.config import INT8_WEIGHTS_FILE, EngineConfig, resolve_dtype
 from cpu_engine.int8 import (HAS_FBGEMM, NARROW_STEPS, RESIDUAL_GAIN, WIDE_STEPS, Int8Projection, load_int8_weights,
                              quantize_per_channel, save_int8_weights, wide_activations)
-from cpu_engine.runner import LlamaRunner, fused_projections
+from cpu_engine.row_kernels import RMSNorm
+from cpu_engine.runner import Chunk, LlamaRunner, fused_projections
 from tests.unit.test_cpu_engine import VOCAB, checkpoint, int8_weights  # noqa: F401
 
 # The int8 engine against float32 on the test model, over every position of a fixed 150-token prompt (the
@@ -95,6 +96,53 @@ def test_an_int8_file_of_another_model_is_refused(checkpoint: Path, tmp_path: Pa
     with pytest.raises(ValueError, match="rebuild the engine"):
         LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=1, max_seq_len=64,
                                  int8_weights=tmp_path / INT8_WEIGHTS_FILE))
+
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="the fused row kernels wrap FBGEMM's product")
+@pytest.mark.parametrize("wide", [False, True], ids=["7-bit row + residual", "8-bit row"])
+def test_the_fused_projection_is_the_same_bits_as_its_ops_one_by_one(wide: bool) -> None:
+    """Int8Projection.fused (the norm, the gate's product, the bias and the residual add inside the row kernels)
+    against the same steps as separate PyTorch ops: equal, bit for bit, so a fused step decodes what an
+    unfused one would."""
+    if wide and not wide_activations():
+        pytest.skip("FBGEMM on this CPU adds pairs of products in int16 (no VNNI): 8-bit rows would saturate")
+    generator = torch.Generator().manual_seed(3)
+    q, scale = quantize_per_channel(torch.randn(96, 64, generator=generator))
+    bias = torch.randn(96, generator=generator)
+    projection = Int8Projection(q, scale, bias, wide=wide)
+    plain = Int8Projection(q, scale, wide=wide)
+    x, hidden = torch.randn(5, 64, generator=generator), torch.randn(5, 96, generator=generator)
+    norm = RMSNorm(torch.nn.RMSNorm(64, eps=1e-5))
+    torch.nn.init.normal_(norm.weight, generator=generator)
+    assert torch.equal(projection.fused(x, norm=norm, add_to=hidden), hidden + projection(norm(x)))
+    gate_up = torch.randn(5, 128, generator=generator)
+    act = torch.nn.SiLU()
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(plain.fused(gate_up, act=act), plain(act(gate) * up))
+    assert torch.equal(plain.fused(x), plain(x)) and not torch.equal(projection(x), plain(x))  # the bias counts
+
+
+def test_an_int8_engine_steps_the_same_bits_fused_and_unfused(checkpoint: Path, int8_weights: Path) -> None:
+    """The runner's fused int8 layers (FusedLayer.fused) against the same runner with every layer unfused:
+    the same logits, bit for bit, through a prompt and batched decode steps."""
+    config = EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4,
+                          int8_weights=int8_weights)
+    runner = LlamaRunner(config)
+    assert all(layer.fused for layer in runner.layers) == HAS_FBGEMM
+
+    def steps() -> list[torch.Tensor]:
+        tables, prompt = [list(range(0, 8)), list(range(8, 16))], list(range(3, 20))
+        logits = [runner.forward(prompt, [], [], [Chunk(tables[0], 0, len(prompt))], [len(prompt) - 1]),
+                  runner.forward(prompt[:9], [], [], [Chunk(tables[1], 0, 9)], [8])]
+        for step in range(4):
+            logits.append(runner.forward([5, 7], tables, [len(prompt) + step, 9 + step], [], [0, 1]))
+        return logits
+
+    fused = steps()
+    for layer in runner.layers:
+        layer.fused = False
+    for a, b in zip(fused, steps()):
+        assert torch.equal(a, b)
 
 
 def test_the_int8_engine_stays_within_bounds_of_float32(checkpoint: Path, int8_weights: Path) -> None:
