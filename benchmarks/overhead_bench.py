@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
                                             args.rounds, args.warmup))
     summary = medians(rows)
     meta = {
-        "title": f"Overhead-bound stack: tiny engine, c={args.concurrency}, {args.max_tokens} tokens, streaming chat",
+        "title": (f"Stacks side by side: {stacks[0].served or 'engine'} ({stacks[0].model_repository}), "
+                  f"c={args.concurrency}, {args.max_tokens} tokens, streaming chat"),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "git_commit": _git_commit(),
