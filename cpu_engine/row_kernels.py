@@ -1,11 +1,9 @@
-"""RMSNorm as a numba loop over float32 rows: one of the small parts of a decode step.
+"""RMSNorm on float32 rows as a numba loop (one of a decode step's small ops: see RMSNorm for why).
 
-Why loops of our own: a batch-1 step runs ~40 small ops a layer on a few hundred bytes each, and every
-PyTorch op costs microseconds of Python and dispatch before any arithmetic (`F.rms_norm` is five ops on
-CPU: 8.6 us for a row of 768 against 3.1 here). The row helpers are also called from the int8 kernels
-(cpu_engine.int8), which fuse them with the quantization of a projection's input rows, so that the
-numbers are the same bits on every path. Each helper is compiled with its own floating-point flags,
-which LLVM keeps on its instructions wherever the helper is inlined.
+The row helper is also called from the int8 kernels (cpu_engine.int8), which put the norm before a projection
+into the same call as the quantization of its input rows; one helper for both keeps the numbers the same bits
+on every path (numba compiles it with its own floating-point flags, which stay on its instructions wherever
+it is inlined; tests/unit/test_int8.py checks fused against unfused).
 """
 
 from __future__ import annotations
