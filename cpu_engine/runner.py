@@ -384,9 +384,9 @@ class LlamaRunner:
             rotary_arrays, places_array = (cos.numpy(), sin_signed.numpy()), places_t.numpy()
         wide = (self.wide_attention_threads if num_decode and self.in_place_decode and
                 int(dec_len.sum()) * self.kv_bytes_per_position >= WIDE_ATTENTION_MIN_KV_BYTES else 0)
+        qk_size = self.q_size + self.kv_size
         for layer_idx, layer in enumerate(self.layers):
             qkv = layer.qkv_of(hidden)
-            qk_size = self.q_size + self.kv_size
             qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
             if layer.q_norm is not None:
