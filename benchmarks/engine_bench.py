@@ -276,18 +276,19 @@ def stack(model_repository: Path, engine_dir: Path, logs: Path,
             yield triton, base_url
 
 
-def weight_only_int8(runner: LlamaRunner, int8_file: Path) -> LlamaRunner:
-    """`runner` (an int8 engine) with every projection on `torch._weight_int8pack_mm` (bfloat16 activations)
-    instead of FBGEMM: the kernel cpu_engine.int8 used before, side by side with the one it uses now."""
+def int8_on(kernel: str, runner: LlamaRunner, int8_file: Path) -> LlamaRunner:
+    """`runner` (an int8 engine) with every projection on `kernel` (cpu_engine.int8.KERNELS) instead of the
+    one this CPU defaults to: the kernels the engine used before, side by side with the one it uses now."""
     def swap(projection: Int8Projection, name: str) -> Int8Projection:
         q, scale = quantized[name]
-        return Int8Projection(q, scale, projection.bias, fbgemm=False)
+        return Int8Projection(q, scale, projection.bias, kernel=kernel)
 
     quantized = load_int8_weights(int8_file)
     runner.lm_head = swap(runner.lm_head, "lm_head")
     for i, layer in enumerate(runner.layers):
         for part in ("qkv", "o_proj", "gate_up", "down"):
             setattr(layer, part, swap(getattr(layer, part), f"layers.{i}.{part}"))
+        layer.fused = layer.fused and layer.qkv.fusable
     return runner
 
 
@@ -380,9 +381,13 @@ def run_weights(engine_dir: Path, quick: bool) -> dict:
         runners = {"float32": LlamaRunner(dataclasses.replace(base, int8_weights=None)),
                    "int8": LlamaRunner(dataclasses.replace(base, int8_weights=int8_file)),
                    "bfloat16": LlamaRunner(dataclasses.replace(base, int8_weights=None, dtype="bfloat16"))}
-        if runners["int8"].lm_head.packed is not None:  # FBGEMM's int8 GEMM: also the weight-only kernel before it
-            runners["int8_weight_only"] = weight_only_int8(
-                LlamaRunner(dataclasses.replace(base, int8_weights=int8_file)), int8_file)
+        # The kernels this CPU ran before the default one: our VNNI GEMM replaced FBGEMM's (which had replaced
+        # the weight-only kernel).
+        before = {"vnni": ["fbgemm", "weight-only"], "fbgemm": ["weight-only"],
+                  "fbgemm-residual": ["weight-only"]}.get(runners["int8"].lm_head.kernel, [])
+        for kernel in before:
+            runners[f"int8_{kernel.replace('-', '_')}"] = int8_on(
+                kernel, LlamaRunner(dataclasses.replace(base, int8_weights=int8_file)), int8_file)
     tokens = scenarios.quality_tokens(runners["float32"].vocab_size, min(QUALITY_TOKENS, base.max_seq_len))
     reference = scenarios.logits_over(runners["float32"], tokens)
     quality = {name: scenarios.compare_logits(reference, scenarios.logits_over(runner, tokens))

@@ -5,7 +5,9 @@ float32's bytes, with one scale per output channel) makes a small-batch step fas
 (`python -m build_engine --weights int8`) and stores the result in the engine directory
 (`cpu_engine.config.INT8_WEIGHTS_FILE`), so every start loads the same numbers without quantizing again.
 
-The matmul, where PyTorch has FBGEMM (x86): an int8 x int8 GEMM with int32 sums (FBGEMM's
+The matmul (`default_kernel` picks it per CPU): with AVX-512 VNNI, our own int8 x int8 GEMM
+(cpu_engine.vnni_gemm: 1.34x FBGEMM's plain batch-1 decode step, 1.13x at batch 16, on the scheme below with
+8-bit rows). Elsewhere, where PyTorch has FBGEMM (x86): an int8 x int8 GEMM with int32 sums (FBGEMM's
 `linear_with_input_q_dq_qweight_dq_output_fp32`), as llama.cpp's q8_0 multiplies int8 activations with
 int8 weights. Its activations are quantized with one fixed scale and zero point for the whole input, so
 that a row's result cannot depend on the other rows, each row is first divided by its largest |value|
@@ -51,6 +53,7 @@ import numba
 import numpy as np
 import torch
 
+from cpu_engine import vnni_gemm
 from cpu_engine.row_kernels import RMSNorm, rms_norm_row
 
 # Scales are bfloat16 (the weight-only kernel's own dtype; FBGEMM takes them exactly as float64);
@@ -194,38 +197,59 @@ def wide_activations() -> bool:
     return True
 
 
+# The kernels an Int8Projection can run on (`default_kernel` picks one for this CPU), for the server log.
+KERNELS = {
+    "vnni": "our VNNI GEMM (cpu_engine/int8_gemm.c), 8-bit activation rows",
+    "fbgemm": "FBGEMM, 8-bit activation rows (VNNI)",
+    "fbgemm-residual": "FBGEMM, 7-bit activation rows + residual (no VNNI)",
+    "weight-only": "weight-only int8 kernel, bfloat16 activations",
+}
+
+
+def default_kernel() -> str:
+    """Our VNNI GEMM where it runs (AVX-512 VNNI and a C compiler), else FBGEMM's product with the activation
+    grid its kernel allows, else (no FBGEMM: ARM) the weight-only kernel."""
+    if vnni_gemm.gemm() is not None:
+        return "vnni"
+    if HAS_FBGEMM:
+        return "fbgemm" if wide_activations() else "fbgemm-residual"
+    return "weight-only"
+
+
 class Int8Projection:
     """`x @ dequant(q).T + bias` on int8 weights; returns x's dtype."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 fbgemm: bool = HAS_FBGEMM, wide: bool | None = None):
-        """`wide`: 8-bit activation rows (None: where `wide_activations()`; False: the 7-bit row + residual,
-        right on every CPU)."""
+                 kernel: str | None = None):
+        """`kernel`: one of KERNELS (None: `default_kernel()`); each holds only its own copy of the weights."""
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
             raise ValueError(f"int8 weight [out, in] and [out] scales expected, got {q.dtype} {tuple(q.shape)} "
                              f"and {tuple(scale.shape)}")
+        self.kernel = default_kernel() if kernel is None else kernel
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {sorted(KERNELS)}, not {kernel!r}")
         self.bias = bias
         self.scale = scale.to(SCALE_DTYPE).clone()
         self._weight_bytes = q.nbytes
-        self.packed = _fbgemm_pack(q, self.scale) if fbgemm else None  # False: the weight-only kernel
-        self.wide = self.packed is not None and (wide_activations() if wide is None else wide)
-        # FBGEMM's join kernel adds a float32 bias (an empty array: none); any other is added as a tensor.
-        bias_in_join = self.packed is not None and bias is not None and bias.dtype == torch.float32
+        self.fusable = self.kernel != "weight-only"  # the row kernels (`fused`) run around this product
+        self._gemm = vnni_gemm.gemm() if self.kernel == "vnni" else None
+        self._vnni = vnni_gemm.PackedWeight(q.numpy(), self.scale.float().numpy()) if self._gemm else None
+        self.packed = _fbgemm_pack(q, self.scale) if self.kernel.startswith("fbgemm") else None
+        self.wide = self.kernel != "fbgemm-residual"  # 8-bit activation rows (the FBGEMM kernels: see above)
+        # The row kernels add a float32 bias (an empty array: none); any other is added as a tensor.
+        bias_in_join = self.fusable and bias is not None and bias.dtype == torch.float32
         self._fused_bias = bias.numpy() if bias_in_join else _NO_BIAS
         self._bias_after = None if bias_in_join else bias
         self.steps, self.zero_point = ((WIDE_STEPS, WIDE_ZERO_POINT) if self.wide
                                        else (NARROW_STEPS, NARROW_ZERO_POINT))
-        # Otherwise a copy in memory of our own: a tensor read from a safetensors file may sit at an address
-        # the weight-only kernel's aligned vector loads crash on (seen: a segfault on a test model's qkv).
-        self.q = None if self.packed is not None else q.clone(memory_format=torch.contiguous_format)
+        # The weight-only kernel's copy in memory of our own: a tensor read from a safetensors file may sit at
+        # an address its aligned vector loads crash on (seen: a segfault on a test model's qkv).
+        self.q = q.clone(memory_format=torch.contiguous_format) if self.kernel == "weight-only" else None
 
     @property
-    def kernel(self) -> str:
+    def description(self) -> str:
         """Which kernel and activations, for the server log."""
-        if self.packed is None:
-            return "weight-only int8 kernel, bfloat16 activations"
-        return ("FBGEMM, 8-bit activation rows (VNNI)" if self.wide
-                else "FBGEMM, 7-bit activation rows + residual (no VNNI)")
+        return KERNELS[self.kernel]
 
     @property
     def nbytes(self) -> int:
@@ -233,7 +257,7 @@ class Int8Projection:
         return self._weight_bytes + self.scale.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
+        if not self.fusable:
             out = torch._weight_int8pack_mm(x.to(SCALE_DTYPE), self.q, self.scale).to(x.dtype)
         else:
             out = self.fused(x.float().contiguous())
@@ -243,20 +267,27 @@ class Int8Projection:
     def fused(self, x: torch.Tensor, norm: RMSNorm | None = None, act: Callable[[torch.Tensor], torch.Tensor] | None = None,
               add_to: torch.Tensor | None = None) -> torch.Tensor:
         """add_to + this projection of norm(x), or of act(gate) x up for rows x = [gate | up] (`act`), in
-        float32. The norm, the gate's product, the bias and the add run inside the row kernels around
-        FBGEMM's product instead of as PyTorch ops of their own: at batch 1 each op costs microseconds of
-        Python and dispatch, more than its arithmetic. FBGEMM only; x and add_to float32 rows, `norm` with
-        float32 weights."""
-        residual = not self.wide
+        float32. The norm, the gate's product, the bias and the add run inside the row kernels around the
+        int8 product instead of as PyTorch ops of their own: at batch 1 each op costs microseconds of Python
+        and dispatch, more than its arithmetic. Not on the weight-only kernel; x and add_to float32 rows,
+        `norm` with float32 weights."""
         rows = x.numpy()
+        acted_gate = act(x[:, :x.shape[1] // 2]).numpy() if act is not None else None
+        addend = _NO_ROWS if add_to is None else add_to.numpy()
+        if self._vnni is not None:
+            mode = vnni_gemm.NORMED if norm is not None else vnni_gemm.GATED if act is not None else vnni_gemm.PLAIN
+            return torch.from_numpy(vnni_gemm.project_rows(
+                self._gemm, rows, mode, _NO_BIAS if norm is None else norm.weight_array,
+                np.float32(0) if norm is None else norm.eps32, _NO_ROWS if acted_gate is None else acted_gate,
+                self._vnni.arrays, self._fused_bias, addend))
+        residual = not self.wide
         if norm is not None:
             pictures, row_max = _norm_split_rows(rows, norm.weight_array, norm.eps32, residual)
-        elif act is not None:
-            pictures, row_max = _gated_split_rows(act(x[:, :x.shape[1] // 2]).numpy(), rows, residual)
+        elif acted_gate is not None:
+            pictures, row_max = _gated_split_rows(acted_gate, rows, residual)
         else:
             pictures, row_max = _split_rows(rows, residual)
         products = _INT8_GEMM(torch.from_numpy(pictures), 1.0 / self.steps, self.zero_point, self.packed)
-        addend = _NO_ROWS if add_to is None else add_to.numpy()
         return torch.from_numpy(_join_rows(products.numpy(), row_max, residual, self._fused_bias, addend))
 
 

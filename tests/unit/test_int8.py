@@ -12,8 +12,10 @@ import torch
 from benchmarks.engine_scenarios import compare_logits, logits_over, quality_tokens
 from build_engine.__main__ import main as build_main
 from cpu_engine.config import INT8_WEIGHTS_FILE, EngineConfig, resolve_dtype
-from cpu_engine.int8 import (HAS_FBGEMM, NARROW_STEPS, RESIDUAL_GAIN, WIDE_STEPS, Int8Projection, load_int8_weights,
-                             quantize_per_channel, save_int8_weights, wide_activations)
+from cpu_engine import vnni_gemm
+from cpu_engine.int8 import (HAS_FBGEMM, KERNELS, NARROW_STEPS, RESIDUAL_GAIN, WIDE_STEPS, Int8Projection,
+                             default_kernel, load_int8_weights, quantize_per_channel, save_int8_weights,
+                             wide_activations)
 from cpu_engine.row_kernels import RMSNorm
 from cpu_engine.runner import Chunk, LlamaRunner, fused_projections
 from tests.unit.test_cpu_engine import VOCAB, checkpoint, int8_weights  # noqa: F401
@@ -38,36 +40,53 @@ def test_per_channel_quantization_is_within_half_a_step_of_each_weight() -> None
     assert float(scale[0]) < float(scale[3]) / 20
 
 
-def activations_as_the_kernel_sees_them(x: torch.Tensor, wide: bool) -> torch.Tensor:
-    """The activation scheme cpu_engine.int8 documents: with FBGEMM, each row over its largest |value| on
-    the grid 1/127 (`wide`), or on the grid 1/64 plus what that misses on a grid 128 times finer, scaled
-    back; otherwise bfloat16."""
-    if not HAS_FBGEMM:
+def _why_not(kernel: str) -> str | None:
+    """Why `kernel` cannot run on this machine (None: it can)."""
+    if kernel == "vnni" and vnni_gemm.gemm() is None:
+        return "our VNNI GEMM needs AVX-512 VNNI and a C compiler"
+    if kernel.startswith("fbgemm") and not HAS_FBGEMM:
+        return "no FBGEMM in this PyTorch (ARM)"
+    if kernel == "fbgemm" and not wide_activations():
+        return "FBGEMM on this CPU adds pairs of products in int16 (no VNNI): 8-bit rows would saturate"
+    return None
+
+
+def each_kernel(*kernels: str) -> list:
+    """The kernels as parameters, each skipped (with why) where it cannot run here."""
+    return [pytest.param(kernel, id=kernel, marks=pytest.mark.skipif(_why_not(kernel) is not None,
+                                                                      reason=str(_why_not(kernel))))
+            for kernel in kernels]
+
+
+def activations_as_the_kernel_sees_them(x: torch.Tensor, kernel: str) -> torch.Tensor:
+    """The activation scheme cpu_engine.int8 documents: each row over its largest |value| on the grid 1/127
+    (our VNNI GEMM, FBGEMM with VNNI), or on the grid 1/64 plus what that misses on a grid 128 times finer,
+    scaled back (FBGEMM without VNNI); the weight-only kernel's bfloat16."""
+    if kernel == "weight-only":
         return x.to(torch.bfloat16).float()
     row_max = x.abs().amax(dim=1, keepdim=True)
     unit = x / row_max
-    if wide:
+    if kernel != "fbgemm-residual":
         return torch.round(unit * WIDE_STEPS) / WIDE_STEPS * row_max
     high = torch.round(unit * NARROW_STEPS) / NARROW_STEPS
     low = torch.round((unit - high) * RESIDUAL_GAIN * NARROW_STEPS) / NARROW_STEPS / RESIDUAL_GAIN
     return (high + low) * row_max
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["7-bit row + residual", "8-bit row"])
-def test_int8_projection_computes_its_documented_scheme_in_any_batch(wide: bool) -> None:
-    if wide and not wide_activations():
-        pytest.skip("FBGEMM on this CPU adds pairs of products in int16 (no VNNI): 8-bit rows would saturate")
+@pytest.mark.parametrize("kernel", each_kernel(*KERNELS))
+def test_int8_projection_computes_its_documented_scheme_in_any_batch(kernel: str) -> None:
     generator = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
     q, scale = quantize_per_channel(weight)
-    projection = Int8Projection(q, scale, bias, wide=wide)
+    projection = Int8Projection(q, scale, bias, kernel=kernel)
     x = torch.randn(40, 64, generator=generator)
     dequantized = q.float() * scale.float()[:, None]
     out = projection(x)
     assert out.dtype == torch.float32
     # The kernel does exactly the scheme (int8 weights, activations quantized per row)...
-    expected = torch.nn.functional.linear(activations_as_the_kernel_sees_them(x, projection.wide), dequantized, bias)
-    torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
+    expected = torch.nn.functional.linear(activations_as_the_kernel_sees_them(x, kernel), dequantized, bias)
+    tolerance = 1e-1 if kernel == "weight-only" else 1e-3  # its products come back as bfloat16 (~8 here: ulp 1/16)
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=1e-3)
     # ... which stays near the float product: a wrong scale or zero point is off by the outputs' own size.
     exact = torch.nn.functional.linear(x, weight, bias)
     assert float((out - exact).norm() / exact.norm()) < 0.01
@@ -98,19 +117,16 @@ def test_an_int8_file_of_another_model_is_refused(checkpoint: Path, tmp_path: Pa
                                  int8_weights=tmp_path / INT8_WEIGHTS_FILE))
 
 
-@pytest.mark.skipif(not HAS_FBGEMM, reason="the fused row kernels wrap FBGEMM's product")
-@pytest.mark.parametrize("wide", [False, True], ids=["7-bit row + residual", "8-bit row"])
-def test_the_fused_projection_is_the_same_bits_as_its_ops_one_by_one(wide: bool) -> None:
+@pytest.mark.parametrize("kernel", each_kernel("vnni", "fbgemm", "fbgemm-residual"))  # the fusable ones
+def test_the_fused_projection_is_the_same_bits_as_its_ops_one_by_one(kernel: str) -> None:
     """Int8Projection.fused (the norm, the gate's product, the bias and the residual add inside the row kernels)
     against the same steps as separate PyTorch ops: equal, bit for bit, so a fused step decodes what an
     unfused one would."""
-    if wide and not wide_activations():
-        pytest.skip("FBGEMM on this CPU adds pairs of products in int16 (no VNNI): 8-bit rows would saturate")
     generator = torch.Generator().manual_seed(3)
     q, scale = quantize_per_channel(torch.randn(96, 64, generator=generator))
     bias = torch.randn(96, generator=generator)
-    projection = Int8Projection(q, scale, bias, wide=wide)
-    plain = Int8Projection(q, scale, wide=wide)
+    projection = Int8Projection(q, scale, bias, kernel=kernel)
+    plain = Int8Projection(q, scale, kernel=kernel)
     x, hidden = torch.randn(5, 64, generator=generator), torch.randn(5, 96, generator=generator)
     norm = RMSNorm(torch.nn.RMSNorm(64, eps=1e-5))
     torch.nn.init.normal_(norm.weight, generator=generator)
@@ -128,7 +144,7 @@ def test_an_int8_engine_steps_the_same_bits_fused_and_unfused(checkpoint: Path, 
     config = EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4,
                           int8_weights=int8_weights)
     runner = LlamaRunner(config)
-    assert all(layer.fused for layer in runner.layers) == HAS_FBGEMM
+    assert all(layer.fused for layer in runner.layers) == (default_kernel() != "weight-only")
 
     def steps() -> list[torch.Tensor]:
         tables, prompt = [list(range(0, 8)), list(range(8, 16))], list(range(3, 20))
@@ -188,8 +204,9 @@ def test_the_activation_grid_never_saturates_the_kernel() -> None:
     q[1::2] = -127
     exact = torch.nn.functional.linear(torch.ones(1, inputs), q.float())
     chosen = Int8Projection(q, torch.ones(32))
-    assert chosen.wide == (HAS_FBGEMM and wide_activations())
-    assert ("8-bit activation rows" in chosen.kernel) == chosen.wide  # what the server log says
-    for projection in (chosen, Int8Projection(q, torch.ones(32), wide=False)):
+    assert chosen.kernel == default_kernel() and (chosen.kernel != "fbgemm-residual" or not wide_activations())
+    assert chosen.description == KERNELS[chosen.kernel]  # what the server log says
+    runnable = [kernel for kernel in KERNELS if _why_not(kernel) is None]
+    for projection in [chosen] + [Int8Projection(q, torch.ones(32), kernel=kernel) for kernel in runnable]:
         for rows in (1, 16, 74):
             torch.testing.assert_close(projection(torch.ones(rows, inputs)), exact.expand(rows, -1), rtol=1e-5, atol=0)

@@ -1,0 +1,114 @@
+"""Our int8 GEMM for AVX-512 VNNI (cpu_engine/int8_gemm.c through cpu_engine.vnni_gemm): the integer sums
+against numpy's, every tile and edge of the packed layout, and how the library is built and found."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cpu_engine import vnni_gemm
+from cpu_engine.int8 import default_kernel
+from cpu_engine.row_kernels import rms_norm_rows
+
+needs_vnni = pytest.mark.skipif(vnni_gemm.gemm() is None, reason="needs AVX-512 VNNI and a C compiler")
+EPS = np.float32(1e-5)
+
+
+def codes_of(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The documented activation scheme: round(127 x / max|x|) per row (zero point left out), and max|x| / 127."""
+    top = np.maximum(np.abs(x).max(axis=1, keepdims=True), np.finfo(np.float32).tiny)
+    return np.rint(x * (np.float32(127) / top)).astype(np.int64), (top / np.float32(127)).astype(np.float32)
+
+
+def expected(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The kernel's float ops in its order on numpy's exact integer sums: (sum x scale) x row scale."""
+    codes, row_scale = codes_of(x)
+    sums = (codes @ q.T.astype(np.int64)).astype(np.float32)
+    return (sums * scale) * row_scale
+
+
+def project(packed: vnni_gemm.PackedWeight, x: np.ndarray, bias=vnni_gemm.NO_ROW, addend=vnni_gemm.NO_ROWS,
+            mode: int = vnni_gemm.PLAIN, norm_weight=vnni_gemm.NO_ROW, acted_gate=vnni_gemm.NO_ROWS) -> np.ndarray:
+    return vnni_gemm.project_rows(vnni_gemm.gemm(), x, mode, norm_weight, EPS, acted_gate, packed.arrays, bias,
+                                  addend)
+
+
+@needs_vnni
+@pytest.mark.parametrize("n, k", [(96, 64), (64, 64), (32, 8), (100, 70), (33, 4), (1, 3), (130, 2050)],
+                         ids=lambda v: str(v))
+def test_the_kernel_is_the_exact_integer_product_for_every_tile_and_edge(n: int, k: int) -> None:
+    # n: whole 64-channel tiles, a lone 32-channel block, partial blocks (masked stores); k: padded to 4.
+    rng = np.random.default_rng(n * 10_000 + k)
+    q = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    scale = (rng.random(n) * 0.01 + 1e-4).astype(np.float32)
+    packed = vnni_gemm.PackedWeight(q, scale)
+    x = rng.standard_normal((9, k)).astype(np.float32)  # 9 rows: tiles of 4, 4 and 1
+    out = project(packed, x)
+    assert out.shape == (9, n) and np.array_equal(out, expected(x, q, scale))
+    for rows in (1, 2, 3, 5):  # a row's bits do not depend on the batch or its place in it
+        assert np.array_equal(project(packed, x[-rows:]), out[-rows:])
+
+
+@needs_vnni
+def test_bias_and_addend_are_added_after_the_product_in_the_unfused_order() -> None:
+    rng = np.random.default_rng(7)
+    q = rng.integers(-127, 128, (70, 40), dtype=np.int8)
+    scale = (rng.random(70) * 0.01).astype(np.float32)
+    packed = vnni_gemm.PackedWeight(q, scale)
+    x = rng.standard_normal((6, 40)).astype(np.float32)
+    bias, addend = rng.standard_normal(70).astype(np.float32), rng.standard_normal((6, 70)).astype(np.float32)
+    product = expected(x, q, scale)
+    assert np.array_equal(project(packed, x, bias=bias), product + bias)
+    assert np.array_equal(project(packed, x, bias=bias, addend=addend), addend + (product + bias))
+    assert np.array_equal(project(packed, np.zeros((2, 40), np.float32)), np.zeros((2, 70), np.float32))
+
+
+@needs_vnni
+def test_the_norm_and_the_gated_product_are_quantized_as_if_computed_first() -> None:
+    rng = np.random.default_rng(11)
+    q = rng.integers(-127, 128, (48, 32), dtype=np.int8)
+    scale = np.full(48, 0.01, dtype=np.float32)
+    packed = vnni_gemm.PackedWeight(q, scale)
+    x, weight = rng.standard_normal((3, 32)).astype(np.float32), rng.standard_normal(32).astype(np.float32)
+    assert np.array_equal(project(packed, x, mode=vnni_gemm.NORMED, norm_weight=weight),
+                          project(packed, rms_norm_rows(x, weight, EPS)))
+    gate_up, acted = rng.standard_normal((3, 64)).astype(np.float32), rng.standard_normal((3, 32)).astype(np.float32)
+    assert np.array_equal(project(packed, gate_up, mode=vnni_gemm.GATED, acted_gate=acted),
+                          project(packed, acted * gate_up[:, 32:]))
+
+
+@needs_vnni
+def test_the_largest_codes_against_the_largest_weights_do_not_overflow() -> None:
+    k = 4096
+    q = np.full((32, k), 127, dtype=np.int8)
+    q[1::2] = -127
+    out = project(vnni_gemm.PackedWeight(q, np.ones(32, np.float32)), np.ones((1, k), np.float32))
+    assert np.array_equal(out[0], np.where(np.arange(32) % 2, -127.0 * k, 127.0 * k).astype(np.float32))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_library_is_built_once_and_found_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vnni_gemm, "_library_dirs", lambda: [tmp_path / "read-only", tmp_path / "cache"])
+    (tmp_path / "read-only").write_text("a file, not a directory")
+    library = vnni_gemm._compile()
+    assert library.parent == tmp_path / "cache" and library.is_file()
+    assert not list(library.parent.glob(".*.tmp"))  # built under a staging name, renamed into place
+    built = library.stat().st_mtime_ns
+    assert vnni_gemm._compile() == library and library.stat().st_mtime_ns == built  # found, not built again
+
+
+def test_without_a_compiler_the_engine_keeps_fbgemm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vnni_gemm, "_library_dirs", lambda: [tmp_path])
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))  # another compiler: another name, none built
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        vnni_gemm._compile()
+    vnni_gemm.gemm.cache_clear()
+    try:
+        assert vnni_gemm.gemm() is None
+        assert default_kernel() in ("fbgemm", "fbgemm-residual", "weight-only")
+    finally:
+        monkeypatch.undo()
+        vnni_gemm.gemm.cache_clear()
