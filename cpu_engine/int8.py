@@ -71,7 +71,7 @@ WIDE_STEPS, WIDE_ZERO_POINT = 127, 128
 NARROW_STEPS, NARROW_ZERO_POINT = 64, 64  # a power of two: u x 64 is exact, so our rounding and the kernel's agree
 RESIDUAL_GAIN = 2 * NARROW_STEPS
 _TINY = np.float32(torch.finfo(torch.float32).tiny)
-_NO_BIAS, _NO_ROWS = np.empty(0, dtype=np.float32), np.empty((0, 0), dtype=np.float32)  # the join's "none"
+_NO_BIAS, _NO_ROWS = vnni_gemm.NO_ROW, vnni_gemm.NO_ROWS  # the row kernels' "none" (empty float32 arrays)
 # The op's one overload, resolved once, and its C++ entry point (`_op`): through the overload packet each call
 # first searches its arguments for script objects (the packed weight is one), ~4 us a call, and the overload's
 # Python __call__ then checks them for torch.compile's fake script objects, ~1.1 us more (8.6 against 9.8 us
