@@ -14,8 +14,10 @@ The scheme is the one the FBGEMM path uses with VNNI (cpu_engine.int8): each act
 largest |value| on the grid 1/127, codes round(127 x / max|x|) + 128 in 1..255, one scale per weight channel.
 The integer sums are exact and the rest is per element in a fixed order, so a row's result does not depend on
 the batch. The file is compiled with the system's C compiler (`CC`, else `cc`) into NUMBA_CACHE_DIR (where
-numba's compiled kernels also go; the package's __pycache__ when unset, else the temp directory), once per
-source and flags; without a compiler or without VNNI the engine keeps FBGEMM (the server log says which).
+numba's compiled kernels also go; the package's __pycache__ when unset, else a directory of this user's own in
+the temp directory), once per source and flags, and loaded only from a file and directory that this user owns
+and no one else may write; without a compiler or without VNNI the engine keeps FBGEMM (the server log says
+which).
 """
 
 from __future__ import annotations
@@ -62,8 +64,18 @@ def _cpu_flags() -> frozenset[str]:
 
 def _library_dirs() -> list[Path]:
     configured = os.environ.get("NUMBA_CACHE_DIR")
-    return ([Path(configured)] if configured else []) + [Path(__file__).with_name("__pycache__"),
-                                                         Path(tempfile.gettempdir()) / "cpu_engine-kernels"]
+    return ([Path(configured)] if configured else []) + [
+        Path(__file__).with_name("__pycache__"), Path(tempfile.gettempdir()) / f"cpu_engine-kernels-{os.getuid()}"]
+
+
+def _trusted(library: Path) -> bool:
+    """Whether `library` and its directory are ours and writable by no one else: the process loads it as code,
+    so a file another user could have put there (a shared temp directory) is never loaded."""
+    for path in (library, library.parent):
+        status = path.stat()
+        if status.st_uid != os.getuid() or status.st_mode & 0o022:
+            return False
+    return True
 
 
 def _compile() -> Path:
@@ -73,15 +85,18 @@ def _compile() -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     name = f"int8_gemm-{digest}.so"
     for directory in _library_dirs():
-        if (directory / name).is_file():
+        if (directory / name).is_file() and _trusted(directory / name):
             return directory / name
     errors = []
     for directory in _library_dirs():
         staging = directory / f".{name}.{os.getpid()}.tmp"
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _trusted(directory):
+                raise PermissionError("not ours alone")
             subprocess.run([compiler, *FLAGS, "-o", str(staging), str(SOURCE)], check=True, capture_output=True,
                            text=True, timeout=120)
+            staging.chmod(0o755)  # whatever the umask: a library others may write would not be loaded again
             return staging.replace(directory / name)
         except subprocess.CalledProcessError as exc:
             raise RuntimeError(f"{compiler} failed: {exc.stderr.strip()[-500:]}") from exc

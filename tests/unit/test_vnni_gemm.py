@@ -98,6 +98,8 @@ def test_the_library_is_built_once_and_found_again(tmp_path: Path, monkeypatch: 
     assert not list(library.parent.glob(".*.tmp"))  # built under a staging name, renamed into place
     built = library.stat().st_mtime_ns
     assert vnni_gemm._compile() == library and library.stat().st_mtime_ns == built  # found, not built again
+    library.chmod(0o666)  # a file others may write is never loaded: built again, in its place
+    assert vnni_gemm._compile() == library and library.stat().st_mode & 0o022 == 0
 
 
 def test_without_a_compiler_the_engine_keeps_fbgemm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
