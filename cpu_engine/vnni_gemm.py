@@ -22,6 +22,7 @@ which).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -100,12 +101,17 @@ def _compile() -> Path:
             return staging.replace(directory / name)
         except subprocess.CalledProcessError as exc:
             raise RuntimeError(f"{compiler} failed: {exc.stderr.strip()[-500:]}") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"{compiler} took over {exc.timeout:.0f} s") from exc
         except FileNotFoundError as exc:
             if exc.filename == compiler:
                 raise RuntimeError(f"no C compiler ({compiler})") from exc
             errors.append(f"{directory}: {exc}")
         except OSError as exc:  # not writable: the next directory
             errors.append(f"{directory}: {exc}")
+        finally:
+            with contextlib.suppress(OSError):  # what a failed or timed-out compile left (after a rename: nothing)
+                staging.unlink(missing_ok=True)
     raise RuntimeError("no writable directory for the compiled kernel: " + "; ".join(errors))
 
 

@@ -102,6 +102,18 @@ def test_the_library_is_built_once_and_found_again(tmp_path: Path, monkeypatch: 
     assert vnni_gemm._compile() == library and library.stat().st_mode & 0o022 == 0
 
 
+def test_a_failed_compile_is_an_error_that_leaves_nothing_behind(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    compiler = tmp_path / "half-a-compiler"  # writes part of its output, then fails
+    compiler.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho half > "$2"\nexit 1\n')
+    compiler.chmod(0o755)
+    monkeypatch.setattr(vnni_gemm, "_library_dirs", lambda: [tmp_path / "cache"])
+    monkeypatch.setenv("CC", str(compiler))
+    with pytest.raises(RuntimeError, match="failed"):
+        vnni_gemm._compile()
+    assert not list((tmp_path / "cache").iterdir())
+
+
 def test_without_a_compiler_the_engine_keeps_fbgemm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vnni_gemm, "_library_dirs", lambda: [tmp_path])
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))  # another compiler: another name, none built
