@@ -233,6 +233,8 @@ class Int8Projection:
         self._weight_bytes = q.nbytes
         self.fusable = self.kernel != "weight-only"  # the row kernels (`fused`) run around this product
         self._gemm = vnni_gemm.gemm() if self.kernel == "vnni" else None
+        if (self.kernel == "vnni" and self._gemm is None) or (self.kernel.startswith("fbgemm") and not HAS_FBGEMM):
+            raise ValueError(f"the {self.kernel} int8 kernel cannot run on this machine")
         self._vnni = vnni_gemm.PackedWeight(q.numpy(), self.scale.float().numpy()) if self._gemm else None
         self.packed = _fbgemm_pack(q, self.scale) if self.kernel.startswith("fbgemm") else None
         self.wide = self.kernel != "fbgemm-residual"  # 8-bit activation rows (the FBGEMM kernels: see above)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from cpu_engine import vnni_gemm
-from cpu_engine.int8 import default_kernel
+from cpu_engine.int8 import Int8Projection, default_kernel
 from cpu_engine.row_kernels import rms_norm_rows
 
 needs_vnni = pytest.mark.skipif(vnni_gemm.gemm() is None, reason="needs AVX-512 VNNI and a C compiler")
@@ -123,6 +124,8 @@ def test_without_a_compiler_the_engine_keeps_fbgemm(tmp_path: Path, monkeypatch:
     try:
         assert vnni_gemm.gemm() is None
         assert default_kernel() in ("fbgemm", "fbgemm-residual", "weight-only")
+        with pytest.raises(ValueError, match="cannot run on this machine"):
+            Int8Projection(torch.zeros(32, 8, dtype=torch.int8), torch.ones(32), kernel="vnni")
     finally:
         monkeypatch.undo()
         vnni_gemm.gemm.cache_clear()
