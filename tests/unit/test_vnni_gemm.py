@@ -3,6 +3,7 @@ against numpy's, every tile and edge of the packed layout, and how the library i
 
 from __future__ import annotations
 
+import platform
 import shutil
 from pathlib import Path
 
@@ -90,7 +91,8 @@ def test_the_largest_codes_against_the_largest_weights_do_not_overflow() -> None
     assert np.array_equal(out[0], np.where(np.arange(32) % 2, -127.0 * k, 127.0 * k).astype(np.float32))
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.skipif(shutil.which("cc") is None or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="needs a C compiler for x86 (the flags are AVX-512's)")
 def test_the_library_is_built_once_and_found_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vnni_gemm, "_library_dirs", lambda: [tmp_path / "read-only", tmp_path / "cache"])
     (tmp_path / "read-only").write_text("a file, not a directory")
