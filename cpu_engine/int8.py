@@ -70,8 +70,9 @@ HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 WIDE_STEPS, WIDE_ZERO_POINT = 127, 128
 NARROW_STEPS, NARROW_ZERO_POINT = 64, 64  # a power of two: u x 64 is exact, so our rounding and the kernel's agree
 RESIDUAL_GAIN = 2 * NARROW_STEPS
-_TINY = np.float32(torch.finfo(torch.float32).tiny)
+_TINY = vnni_gemm.TINY
 _NO_BIAS, _NO_ROWS = vnni_gemm.NO_ROW, vnni_gemm.NO_ROWS  # the row kernels' "none" (empty float32 arrays)
+_NO_EPS = np.float32(0)
 # The op's one overload, resolved once, and its C++ entry point (`_op`): through the overload packet each call
 # first searches its arguments for script objects (the packed weight is one), ~4 us a call, and the overload's
 # Python __call__ then checks them for torch.compile's fake script objects, ~1.1 us more (8.6 against 9.8 us
@@ -235,7 +236,8 @@ class Int8Projection:
         self._gemm = vnni_gemm.gemm() if self.kernel == "vnni" else None
         if (self.kernel == "vnni" and self._gemm is None) or (self.kernel.startswith("fbgemm") and not HAS_FBGEMM):
             raise ValueError(f"the {self.kernel} int8 kernel cannot run on this machine")
-        self._vnni = vnni_gemm.PackedWeight(q.numpy(), self.scale.float().numpy()) if self._gemm else None
+        # PackedWeight.arrays, the tuple the numba kernel takes, built once rather than at every call
+        self._vnni = vnni_gemm.PackedWeight(q.numpy(), self.scale.float().numpy()).arrays if self._gemm else None
         self.packed = _fbgemm_pack(q, self.scale) if self.kernel.startswith("fbgemm") else None
         self.wide = self.kernel != "fbgemm-residual"  # 8-bit activation rows (the FBGEMM kernels: see above)
         # The row kernels add a float32 bias (an empty array: none); any other is added as a tensor.
@@ -280,8 +282,8 @@ class Int8Projection:
             mode = vnni_gemm.NORMED if norm is not None else vnni_gemm.GATED if act is not None else vnni_gemm.PLAIN
             return torch.from_numpy(vnni_gemm.project_rows(
                 self._gemm, rows, mode, _NO_BIAS if norm is None else norm.weight_array,
-                np.float32(0) if norm is None else norm.eps32, _NO_ROWS if acted_gate is None else acted_gate,
-                self._vnni.arrays, self._fused_bias, addend))
+                _NO_EPS if norm is None else norm.eps32, _NO_ROWS if acted_gate is None else acted_gate,
+                self._vnni, self._fused_bias, addend))
         residual = not self.wide
         if norm is not None:
             pictures, row_max = _norm_split_rows(rows, norm.weight_array, norm.eps32, residual)

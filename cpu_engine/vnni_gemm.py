@@ -46,7 +46,7 @@ FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 BLOCK = 32  # output channels a packed block holds (two zmm registers of int32 sums)
 STEPS, ZERO_POINT = 127, 128  # activation codes round(127 u) + 128, u = x / max|x|
-_TINY = np.float32(np.finfo(np.float32).tiny)
+TINY = np.float32(np.finfo(np.float32).tiny)  # a row's max |x| at least this: no 0 / 0
 # The row kernel's modes: the rows as they are, RMSNorm of them, or act(gate) x up of rows [gate | up].
 PLAIN, NORMED, GATED = 0, 1, 2
 NO_ROW, NO_ROWS = np.empty(0, dtype=np.float32), np.empty((0, 0), dtype=np.float32)  # "none" for numba
@@ -169,7 +169,7 @@ def _quantize_row(values, codes):  # pragma: no cover
     """codes[:k] = round(127 x / max|x|) + 128 for the k values, the padding after them 128 (zero); returns
     max|x| / 127, the row's scale."""
     k = values.shape[0]
-    top = _TINY
+    top = TINY
     for j in range(k):
         top = max(top, abs(values[j]))
     gain = np.float32(STEPS) / top
