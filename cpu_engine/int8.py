@@ -29,8 +29,9 @@ with float32 over 512 tokens 0.971 against 0.979, max logit error 4.7% against 4
 The integer sums are exact and the rest is per element, so a row's result does not depend on the batch:
 a greedy sequence decodes the same alone and batched. The row scaling is two small numba loops (the seven
 PyTorch ops they replace took ~5x their time), and in a decoder layer they also do the ops around each
-projection (`Int8Projection.fused`: the RMSNorm before it, the gate's product before `down`, the bias and the
-residual add after), six PyTorch ops fewer a layer for the same bits.
+projection (`Int8Projection.fused`: the RMSNorm before it, the gate's SiLU and product before `down`, the bias
+and the residual add after), seven PyTorch ops fewer a layer. The int8 engine's SiLU is row_kernels.silu
+(numba's, which PyTorch's vectorised one can differ from in the last bit), on every path, fused or not.
 Measured on a 2-core AMD EPYC (AVX2 only), `small`, 2 threads, wall ms per plain decode step, medians of
 interleaved rounds (`python -m benchmarks.engine_bench --only w`, which runs both kernels): 20.2 at batch 1
 against 23.5 for `torch._weight_int8pack_mm` with bfloat16 activations, 56.9 against 80.8 at batch 16
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import numba
@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from cpu_engine import vnni_gemm
-from cpu_engine.row_kernels import RMSNorm, rms_norm_row
+from cpu_engine.row_kernels import RMSNorm, rms_norm_row, silu
 
 # Scales are bfloat16 (the weight-only kernel's own dtype; FBGEMM takes them exactly as float64);
 # quantizing with the rounded scale makes q x scale the weight's closest int8 picture for the scale the
@@ -127,16 +127,16 @@ def _norm_split_rows(x, weight, eps, residual):  # pragma: no cover
 
 
 @numba.njit(boundscheck=False, nogil=True, cache=True)
-def _gated_split_rows(acted_gate, gate_up, residual):  # pragma: no cover
-    """_split_rows of act(gate) x up, from act(gate) and the rows gate_up = [gate | up]: the gated MLP's input
-    to its down projection, the product in the same call."""
-    n, k = acted_gate.shape
+def _gated_split_rows(gate_up, residual):  # pragma: no cover
+    """_split_rows of silu(gate) x up for the rows gate_up = [gate | up]: the gated MLP's input to its down
+    projection, the activation and the product in the same call."""
+    n, k = gate_up.shape[0], gate_up.shape[1] // 2
     pictures = np.empty(((2 if residual else 1) * n, k), dtype=np.float32)
     row_max = np.empty((n, 1), dtype=np.float32)
     gated = np.empty(k, dtype=np.float32)
     for i in range(n):
         for j in range(k):
-            gated[j] = acted_gate[i, j] * gate_up[i, k + j]
+            gated[j] = silu(gate_up[i, j]) * gate_up[i, k + j]
         row_max[i, 0] = _split_row(gated, residual, pictures, i, n)
     return pictures, row_max
 
@@ -236,13 +236,14 @@ class Int8Projection:
         self._gemm = vnni_gemm.gemm() if self.kernel == "vnni" else None
         if (self.kernel == "vnni" and self._gemm is None) or (self.kernel.startswith("fbgemm") and not HAS_FBGEMM):
             raise ValueError(f"the {self.kernel} int8 kernel cannot run on this machine")
-        # PackedWeight.arrays, the tuple the numba kernel takes, built once rather than at every call
-        self._vnni = vnni_gemm.PackedWeight(q.numpy(), self.scale.float().numpy()).arrays if self._gemm else None
+        # PackedWeight.arrays, the tuple the numba kernels take (project_rows, fused_step), built once rather
+        # than at every call; None on the other kernels
+        self.vnni = vnni_gemm.PackedWeight(q.numpy(), self.scale.float().numpy()).arrays if self._gemm else None
         self.packed = _fbgemm_pack(q, self.scale) if self.kernel.startswith("fbgemm") else None
         self.wide = self.kernel != "fbgemm-residual"  # 8-bit activation rows (the FBGEMM kernels: see above)
-        # The row kernels add a float32 bias (an empty array: none); any other is added as a tensor.
+        # The row kernels add a float32 bias (`fused_bias`, an empty array: none); any other is added as a tensor.
         bias_in_join = self.fusable and bias is not None and bias.dtype == torch.float32
-        self._fused_bias = bias.numpy() if bias_in_join else _NO_BIAS
+        self.fused_bias = bias.numpy() if bias_in_join else _NO_BIAS
         self._bias_after = None if bias_in_join else bias
         self.steps, self.zero_point = ((WIDE_STEPS, WIDE_ZERO_POINT) if self.wide
                                        else (NARROW_STEPS, NARROW_ZERO_POINT))
@@ -268,31 +269,29 @@ class Int8Projection:
             out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if self._bias_after is None else out + self._bias_after
 
-    def fused(self, x: torch.Tensor, norm: RMSNorm | None = None, act: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    def fused(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False,
               add_to: torch.Tensor | None = None) -> torch.Tensor:
-        """add_to + this projection of norm(x), or of act(gate) x up for rows x = [gate | up] (`act`), in
-        float32. The norm, the gate's product, the bias and the add run inside the row kernels around the
-        int8 product instead of as PyTorch ops of their own: at batch 1 each op costs microseconds of Python
-        and dispatch, more than its arithmetic. Not on the weight-only kernel; x and add_to float32 rows,
-        `norm` with float32 weights."""
+        """add_to + this projection of norm(x), or of silu(gate) x up for rows x = [gate | up] (`gated`; the
+        SiLU is row_kernels.silu), in float32. The norm, the gate's activation and product, the bias and the add
+        run inside the row kernels around the int8 product instead of as PyTorch ops of their own: at batch 1
+        each op costs microseconds of Python and dispatch, more than its arithmetic. Not on the weight-only
+        kernel; x and add_to float32 rows, `norm` with float32 weights."""
         rows = x.numpy()
-        acted_gate = act(x[:, :x.shape[1] // 2]).numpy() if act is not None else None
         addend = _NO_ROWS if add_to is None else add_to.numpy()
-        if self._vnni is not None:
-            mode = vnni_gemm.NORMED if norm is not None else vnni_gemm.GATED if act is not None else vnni_gemm.PLAIN
+        if self.vnni is not None:
+            mode = vnni_gemm.NORMED if norm is not None else vnni_gemm.GATED if gated else vnni_gemm.PLAIN
             return torch.from_numpy(vnni_gemm.project_rows(
                 self._gemm, rows, mode, _NO_BIAS if norm is None else norm.weight_array,
-                _NO_EPS if norm is None else norm.eps32, _NO_ROWS if acted_gate is None else acted_gate,
-                self._vnni, self._fused_bias, addend))
+                _NO_EPS if norm is None else norm.eps32, self.vnni, self.fused_bias, addend))
         residual = not self.wide
         if norm is not None:
             pictures, row_max = _norm_split_rows(rows, norm.weight_array, norm.eps32, residual)
-        elif acted_gate is not None:
-            pictures, row_max = _gated_split_rows(acted_gate, rows, residual)
+        elif gated:
+            pictures, row_max = _gated_split_rows(rows, residual)
         else:
             pictures, row_max = _split_rows(rows, residual)
         products = _INT8_GEMM(torch.from_numpy(pictures), 1.0 / self.steps, self.zero_point, self.packed)
-        return torch.from_numpy(_join_rows(products.numpy(), row_max, residual, self._fused_bias, addend))
+        return torch.from_numpy(_join_rows(products.numpy(), row_max, residual, self.fused_bias, addend))
 
 
 def save_int8_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:

@@ -17,7 +17,7 @@ reads each cached K and V row once where it lies, in one sweep (flash-decoding):
   added, weighted, into the span's per-head accumulators.
 
 The model's shape (kv_heads, group, head_dim) reaches the kernels as tuples whose lengths are part of their
-numba type (`_shape_of`): each shape compiles (and caches) its own kernels, whose inner loops have constant
+numba type (`shape_of`): each shape compiles (and caches) its own kernels, whose inner loops have constant
 trip counts, fully unrolled (from memory: ~10% faster on the `small` preset, ~35% on `tiny`, where loop
 overhead outweighs its 32-wide heads). A shape's first compile takes ~10 s (cached on disk after).
 
@@ -64,7 +64,7 @@ _JIT = dict(fastmath=_FASTMATH, boundscheck=False, nogil=True, error_model="nump
 
 
 @functools.cache
-def _shape_of(kv_heads: int, group: int, head_dim: int) -> tuple[tuple, tuple, tuple]:
+def shape_of(kv_heads: int, group: int, head_dim: int) -> tuple[tuple, tuple, tuple]:
     """The kernels' `shape` argument: tuples of kv_heads, group and head_dim Nones (see the module's doc)."""
     return (None,) * kv_heads, (None,) * group, (None,) * head_dim
 
@@ -275,7 +275,11 @@ def span_positions(lengths, threads):  # pragma: no cover
 
 
 @numba.njit(**_JIT)
-def _decode_attention(q, k_pool, v_pool, tables, lengths, block_size, scale, threads, shape, out):  # pragma: no cover
+def decode_attention_into(q, k_pool, v_pool, tables, lengths, block_size, scale, threads, shape,
+                          out):  # pragma: no cover
+    """paged_decode_attention's work on numpy arrays, into `out`, for callers that are numba code themselves
+    (cpu_engine.fused_step); `threads` > 1 wants numba's chunk size set to 1 around the call (a dynamic
+    schedule)."""
     batch, heads, dim = q.shape
     span = span_positions(lengths, threads)
     longest = 0
@@ -302,14 +306,14 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
     args = (q.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), tables.numpy(), lengths.numpy(), block_size,
             np.float32(scale))
-    shape = _shape_of(kv_heads, heads // kv_heads, head_dim)
+    shape = shape_of(kv_heads, heads // kv_heads, head_dim)
     threads = numba.get_num_threads()
     if threads == 1:
-        _decode_attention(*args, 1, shape, out.numpy())
+        decode_attention_into(*args, 1, shape, out.numpy())
         return out
     previous = numba.set_parallel_chunksize(1)  # dynamic schedule: spans differ in length (ragged batches)
     try:
-        _decode_attention(*args, threads, shape, out.numpy())
+        decode_attention_into(*args, threads, shape, out.numpy())
     finally:
         numba.set_parallel_chunksize(previous)
     return out

@@ -1,9 +1,11 @@
-"""RMSNorm on float32 rows as a numba loop (one of a decode step's small ops: see RMSNorm for why).
+"""A decoder layer's small per-row ops on float32 as numba loops: RMSNorm, SiLU, rotary with the KV cache store.
 
-The row helper is also called from the int8 kernels (cpu_engine.int8), which put the norm before a projection
-into the same call as the quantization of its input rows; one helper for both keeps the numbers the same bits
-on every path (numba compiles it with its own floating-point flags, which stay on its instructions wherever
-it is inlined; tests/unit/test_int8.py checks fused against unfused).
+At batch 1 each PyTorch op costs microseconds of Python and dispatch, more than its arithmetic (see RMSNorm).
+The row helpers are also called from the int8 kernels (cpu_engine.int8, cpu_engine.vnni_gemm) and from the
+int8 engine's decode step in one call (cpu_engine.fused_step), which put the norm before a projection or the
+gate's SiLU into the same call as the quantization of its input rows; one helper for every path keeps the
+numbers the same bits on all of them (numba compiles a helper with its own floating-point flags, which stay
+on its instructions wherever it is inlined; tests/unit/test_int8.py checks fused against unfused).
 """
 
 from __future__ import annotations
@@ -54,3 +56,52 @@ class RMSNorm:
         if self.weight_array is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
             return torch.from_numpy(rms_norm_rows(x.numpy(), self.weight_array, self.eps32))
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+@numba.njit(boundscheck=False, nogil=True, cache=True)
+def silu(x):  # pragma: no cover
+    """x / (1 + exp(-x)) in float32, exp from the C library (numba has no vector math library here: the same
+    bits in every loop it is inlined into). The int8 engine's SiLU (FusedLayer): PyTorch's vectorised exp can
+    differ from it in the last bit, and the int8 decode step computes the gate inside one numba call."""
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+@numba.njit(boundscheck=False, nogil=True, cache=True)
+def silu_rows(x):  # pragma: no cover
+    """silu of each element of x ([n, k] float32, any strides), as a new array."""
+    n, k = x.shape
+    out = np.empty((n, k), dtype=np.float32)
+    for i in range(n):
+        for j in range(k):
+            out[i, j] = silu(x[i, j])
+    return out
+
+
+def silu_of(x: torch.Tensor) -> torch.Tensor:
+    """`silu` on float32 rows, as a PyTorch op would be called (the int8 engine's unfused layers)."""
+    return torch.from_numpy(silu_rows(x.numpy()))
+
+
+@numba.njit(boundscheck=False, nogil=True, cache=True)
+def rotate_and_store(qkv, heads, kv_heads, cos, sin_signed, places, k_pool, v_pool, q_out):  # pragma: no cover
+    """Rotary on q and k (x cos + roll(x, head_dim / 2) sin_signed, each product rounded as PyTorch's three ops
+    round them) into q_out and, with v, into each token's row of the layer's pool (`places`): one call for the
+    nine small ops a layer ran for it. qkv [T, (heads + 2 kv_heads) x head_dim] (the qkv projection's rows),
+    cos / sin_signed [T, 1, head_dim] (float32 views, any strides), q_out [T, heads, head_dim]."""
+    tokens, dim = qkv.shape[0], q_out.shape[2]
+    half = dim // 2
+    v_start = (heads + kv_heads) * dim
+    for t in range(tokens):
+        place = places[t]
+        for h in range(heads + kv_heads):
+            base = h * dim
+            for d in range(dim):
+                partner = qkv[t, base + d + half] if d < half else qkv[t, base + d - half]
+                value = qkv[t, base + d] * cos[t, 0, d] + partner * sin_signed[t, 0, d]
+                if h < heads:
+                    q_out[t, h, d] = value
+                else:
+                    k_pool[place, h - heads, d] = value
+        for h in range(kv_heads):
+            for d in range(dim):
+                v_pool[place, h, d] = qkv[t, v_start + h * dim + d]

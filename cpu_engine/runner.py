@@ -19,7 +19,10 @@ for all active sequences:
   reading the pool in place through their block tables (cpu_engine.paged_attention; a bfloat16 engine
   gathers each sequence's blocks into a [batch, kv_heads, length, head_dim] tensor instead); each prompt
   chunk attends on its own, over its blocks gathered, with a causal mask offset by what its sequence
-  already has in cache.
+  already has in cache;
+- on int8 weights with our VNNI GEMM, a step of decode tokens only runs every layer in one numba call
+  (cpu_engine.fused_step: the same functions as the layer loop, so the same bits, without the Python
+  between them).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cpu_engine.config import EngineConfig
+from cpu_engine import vnni_gemm
+from cpu_engine.fused_step import decode_layers
 from cpu_engine.int8 import Int8Projection, load_int8_weights
-from cpu_engine.paged_attention import paged_decode_attention
-from cpu_engine.row_kernels import RMSNorm
+from cpu_engine.paged_attention import paged_decode_attention, shape_of
+from cpu_engine.row_kernels import RMSNorm, rotate_and_store, silu_of
 
 # Architectures whose decoder layer is Llama's: RMSNorm, rotary, GQA attention (optional q/k/v bias,
 # optional per-head q/k norm), gated MLP.
@@ -182,33 +187,12 @@ def _projections(model: torch.nn.Module, int8_weights: Path | None) -> dict[str,
     return projections
 
 
-@numba.njit(boundscheck=False, nogil=True, cache=True)
-def _rotate_and_store(qk, v, cos, sin_signed, heads, places, k_pool, v_pool, q_out):  # pragma: no cover
-    """Rotary on q and k (x cos + roll(x, head_dim / 2) sin_signed, each product rounded as PyTorch's three
-    ops round them) into q_out and, with v, into each token's row of the layer's pool (`places`): one call
-    for the nine small ops a layer ran for it. qk [T, heads + kv_heads, head_dim], v [T, kv_heads,
-    head_dim], cos / sin_signed [T, 1, head_dim] (float32 views, any strides)."""
-    tokens, all_heads, dim = qk.shape
-    half = dim // 2
-    for t in range(tokens):
-        place = places[t]
-        for h in range(all_heads):
-            for d in range(dim):
-                partner = qk[t, h, d + half] if d < half else qk[t, h, d - half]
-                value = qk[t, h, d] * cos[t, 0, d] + partner * sin_signed[t, 0, d]
-                if h < heads:
-                    q_out[t, h, d] = value
-                else:
-                    k_pool[place, h - heads, d] = value
-        for h in range(v.shape[1]):
-            for d in range(dim):
-                v_pool[place, h, d] = v[t, h, d]
-
-
 class FusedLayer:
     """A decoder layer's norms and projections (the checkpoint's modules are dropped)."""
 
-    def __init__(self, layer: torch.nn.Module, projections: dict[str, AnyProjection], index: int):
+    def __init__(self, layer: torch.nn.Module, projections: dict[str, AnyProjection], index: int, silu: bool):
+        """`silu`: the checkpoint's activation is SiLU (hidden_act "silu" or "swish"), which the int8 row
+        kernels compute themselves."""
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = RMSNorm(layer.input_layernorm)
         self.post_norm = RMSNorm(layer.post_attention_layernorm)
@@ -218,12 +202,25 @@ class FusedLayer:
         self.o_proj = projections[f"layers.{index}.o_proj"]
         self.gate_up = projections[f"layers.{index}.gate_up"]
         self.down = projections[f"layers.{index}.down"]
-        self.act = mlp.act_fn
-        # Int8 (VNNI or FBGEMM) with float32 norms: the norms, the gate's product and the residual adds run in
-        # the projections' own row kernels (Int8Projection.fused), 6 PyTorch ops fewer a layer.
+        # Int8 (VNNI or FBGEMM) with float32 norms and SiLU: the norms, the gate's activation and product and the
+        # residual adds run in the projections' own row kernels (Int8Projection.fused), 7 PyTorch ops fewer a
+        # layer. Such an engine's SiLU is row_kernels' on every path (`act`, used when a layer is not fused), so
+        # fused and unfused layers compute the same bits.
         int8 = [self.qkv, self.o_proj, self.gate_up, self.down]
-        self.fused = (all(isinstance(p, Int8Projection) and p.fusable for p in int8)
+        self.fused = (silu and all(isinstance(p, Int8Projection) and p.fusable for p in int8)
                       and self.input_norm.weight_array is not None and self.post_norm.weight_array is not None)
+        self.act = silu_of if self.fused else mlp.act_fn
+
+    @property
+    def step_arrays(self) -> tuple | None:
+        """This layer as fused_step.decode_layers takes it: on the VNNI kernel, fused, without per-head q/k
+        norms (Qwen3's, which stay PyTorch ops); else None."""
+        int8 = (self.qkv, self.o_proj, self.gate_up, self.down)
+        if not self.fused or self.q_norm is not None or any(p.vnni is None for p in int8):
+            return None
+        return (self.input_norm.weight_array, self.input_norm.eps32, self.qkv.vnni, self.qkv.fused_bias,
+                self.o_proj.vnni, self.o_proj.fused_bias, self.post_norm.weight_array, self.post_norm.eps32,
+                self.gate_up.vnni, self.gate_up.fused_bias, self.down.vnni, self.down.fused_bias)
 
     def qkv_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """q, k and v of the residual stream's rows (before rotary)."""
@@ -240,7 +237,7 @@ class FusedLayer:
     def add_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         """The residual stream after the gated MLP: hidden + down(act(gate) x up), [gate | up] of the norm."""
         if self.fused:
-            return self.down.fused(self.gate_up.fused(hidden, norm=self.post_norm), act=self.act, add_to=hidden)
+            return self.down.fused(self.gate_up.fused(hidden, norm=self.post_norm), gated=True, add_to=hidden)
         gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
         return hidden + self.down(self.act(gate) * up)
 
@@ -273,7 +270,8 @@ class LlamaRunner:
         self.num_heads = int(hf_config.num_attention_heads)
         self.num_kv_heads = int(hf_config.num_key_value_heads)
         self.scale = float(attn.scaling)
-        self.layers = [FusedLayer(layer, projections, i) for i, layer in enumerate(decoder.layers)]
+        silu = getattr(hf_config, "hidden_act", "silu") in ("silu", "swish")
+        self.layers = [FusedLayer(layer, projections, i, silu) for i, layer in enumerate(decoder.layers)]
         del model, decoder, projections  # the fused (or int8) copies replace the per-projection weights
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -297,6 +295,12 @@ class LlamaRunner:
         self._k_arrays = [layer.numpy() for layer in self.k_cache] if self.in_place_decode else []
         self._v_arrays = [layer.numpy() for layer in self.v_cache] if self.in_place_decode else []
         self.kv_bytes_per_position = 2 * self.kv_size * self.k_cache.element_size()  # K and V, one layer
+        # Decode-only steps of an int8 engine on the VNNI kernel: every layer in one numba call
+        # (cpu_engine.fused_step), each layer as its step_arrays; None where a layer cannot (the layer loop).
+        steps = [layer.step_arrays for layer in self.layers]
+        self.one_call_decode = (tuple(steps) if self.in_place_decode and all(arrays is not None for arrays in steps)
+                                else None)
+        self._attention_shape = shape_of(self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
         # Threads for the in-place decode attention of steps that read at least WIDE_ATTENTION_MIN_KV_BYTES of
         # K/V a layer (0: the calling thread's numba setting, like every other step). The engine sets it when
         # it leaves cores to the rest of the stack: the rest of the step runs on fewer threads than the
@@ -334,6 +338,20 @@ class LlamaRunner:
         finally:
             if threads:
                 numba.set_num_threads(narrow)
+
+    def _decode_in_one_call(self, hidden: torch.Tensor, rotary_arrays: tuple[np.ndarray, np.ndarray],
+                            places: np.ndarray, tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The residual stream of a decode-only step after every layer, in one numba call (fused_step)."""
+        threads = numba.get_num_threads()
+        previous = numba.set_parallel_chunksize(1) if threads > 1 else 0  # as paged_decode_attention sets it
+        try:
+            return torch.from_numpy(decode_layers(
+                vnni_gemm.gemm(), hidden.numpy(), self.one_call_decode, rotary_arrays[0], rotary_arrays[1], places,
+                self.k_cache.numpy(), self.v_cache.numpy(), tables.numpy(), lengths.numpy(), self.block_size,
+                np.float32(self.scale), threads, self._attention_shape))
+        finally:
+            if threads > 1:
+                numba.set_parallel_chunksize(previous)
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
@@ -385,50 +403,54 @@ class LlamaRunner:
         wide = (self.wide_attention_threads if num_decode and self.in_place_decode and
                 int(dec_len.sum()) * self.kv_bytes_per_position >= WIDE_ATTENTION_MIN_KV_BYTES else 0)
         qk_size = self.q_size + self.kv_size
-        for layer_idx, layer in enumerate(self.layers):
-            qkv = layer.qkv_of(hidden)
-            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-            if layer.q_norm is not None:
-                qk = torch.cat((layer.q_norm(qk[:, :self.num_heads]), layer.k_norm(qk[:, self.num_heads:])), dim=1)
-            if self.in_place_decode:  # float32
-                q = torch.empty(num_tokens, self.num_heads, self.head_dim)
-                _rotate_and_store(qk.numpy(), v.numpy(), rotary_arrays[0], rotary_arrays[1], self.num_heads,
-                                  places_array, self._k_arrays[layer_idx], self._v_arrays[layer_idx], q.numpy())
-            else:
-                qk = qk * cos + torch.roll(qk, half, dims=-1) * sin_signed
-                q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-                self.k_cache[layer_idx].index_copy_(0, places_t, k)
-                self.v_cache[layer_idx].index_copy_(0, places_t, v)
-
-            outputs = []
-            if num_decode and self.in_place_decode:
-                out = self._decode_attention(q[:num_decode], layer_idx, decode_tables, dec_len, wide)
-                outputs.append(out.reshape(num_decode, -1))
-            elif num_decode:
-                keys, values = self._block_views(layer_idx, decode_tables)
-                out = F.scaled_dot_product_attention(
-                    q[:num_decode, :, None, :], keys, values, attn_mask=decode_mask,
-                    scale=self.scale, enable_gqa=True)
-                outputs.append(out.reshape(num_decode, -1))
-            offset = num_decode
-            for chunk, table in zip(chunks, chunk_blocks):
-                end = chunk.start + chunk.length
-                chunk_q = q[offset:offset + chunk.length].transpose(0, 1)[None]  # [1, heads, c, hd]
-                keys, values = self._block_views(layer_idx, table)
-                keys, values = keys[:, :, :end], values[:, :, :end]
-                if chunk.start == 0:
-                    out = F.scaled_dot_product_attention(
-                        chunk_q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+        if self.one_call_decode is not None and num_decode and not chunks and not wide:
+            hidden = self._decode_in_one_call(hidden, rotary_arrays, places_array, decode_tables, dec_len)
+        else:
+            for layer_idx, layer in enumerate(self.layers):
+                qkv = layer.qkv_of(hidden)
+                qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+                v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+                if layer.q_norm is not None:
+                    qk = torch.cat((layer.q_norm(qk[:, :self.num_heads]), layer.k_norm(qk[:, self.num_heads:])), dim=1)
+                    qkv = torch.cat((qk.view(num_tokens, qk_size), qkv[:, qk_size:]), dim=1)
+                if self.in_place_decode:  # float32
+                    q = torch.empty(num_tokens, self.num_heads, self.head_dim)
+                    rotate_and_store(qkv.numpy(), self.num_heads, self.num_kv_heads, rotary_arrays[0], rotary_arrays[1],
+                                     places_array, self._k_arrays[layer_idx], self._v_arrays[layer_idx], q.numpy())
                 else:
-                    query_pos = torch.arange(chunk.start, end)[:, None]
-                    mask = torch.arange(end)[None, :] <= query_pos
+                    qk = qk * cos + torch.roll(qk, half, dims=-1) * sin_signed
+                    q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+                    self.k_cache[layer_idx].index_copy_(0, places_t, k)
+                    self.v_cache[layer_idx].index_copy_(0, places_t, v)
+
+                outputs = []
+                if num_decode and self.in_place_decode:
+                    out = self._decode_attention(q[:num_decode], layer_idx, decode_tables, dec_len, wide)
+                    outputs.append(out.reshape(num_decode, -1))
+                elif num_decode:
+                    keys, values = self._block_views(layer_idx, decode_tables)
                     out = F.scaled_dot_product_attention(
-                        chunk_q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
-                outputs.append(out[0].transpose(0, 1).reshape(chunk.length, -1))
-                offset += chunk.length
-            attn_out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
-            hidden = layer.add_mlp(layer.add_attention(hidden, attn_out))
+                        q[:num_decode, :, None, :], keys, values, attn_mask=decode_mask,
+                        scale=self.scale, enable_gqa=True)
+                    outputs.append(out.reshape(num_decode, -1))
+                offset = num_decode
+                for chunk, table in zip(chunks, chunk_blocks):
+                    end = chunk.start + chunk.length
+                    chunk_q = q[offset:offset + chunk.length].transpose(0, 1)[None]  # [1, heads, c, hd]
+                    keys, values = self._block_views(layer_idx, table)
+                    keys, values = keys[:, :, :end], values[:, :, :end]
+                    if chunk.start == 0:
+                        out = F.scaled_dot_product_attention(
+                            chunk_q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+                    else:
+                        query_pos = torch.arange(chunk.start, end)[:, None]
+                        mask = torch.arange(end)[None, :] <= query_pos
+                        out = F.scaled_dot_product_attention(
+                            chunk_q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                    outputs.append(out[0].transpose(0, 1).reshape(chunk.length, -1))
+                    offset += chunk.length
+                attn_out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+                hidden = layer.add_mlp(layer.add_attention(hidden, attn_out))
 
         if not logits_rows:  # a step of prompt chunks that all end mid-prompt
             return torch.empty(0, self.vocab_size)

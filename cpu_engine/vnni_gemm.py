@@ -36,7 +36,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from cpu_engine.row_kernels import rms_norm_row
+from cpu_engine.row_kernels import rms_norm_row, silu
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"
 BLOCK = 32  # output channels a packed block holds (two zmm registers of int32 sums)
 STEPS, ZERO_POINT = 127, 128  # activation codes round(127 u) + 128, u = x / max|x|
 TINY = np.float32(np.finfo(np.float32).tiny)  # a row's max |x| at least this: no 0 / 0
-# The row kernel's modes: the rows as they are, RMSNorm of them, or act(gate) x up of rows [gate | up].
+# The row kernel's modes: the rows as they are, RMSNorm of them, or silu(gate) x up of rows [gate | up].
 PLAIN, NORMED, GATED = 0, 1, 2
 NO_ROW, NO_ROWS = np.empty(0, dtype=np.float32), np.empty((0, 0), dtype=np.float32)  # "none" for numba
 
@@ -181,14 +181,14 @@ def _quantize_row(values, codes):  # pragma: no cover
 
 
 @numba.njit(boundscheck=False, nogil=True, cache=True)
-def project_rows(gemm, x, mode, norm_weight, eps, acted_gate, packed, bias, addend):  # pragma: no cover
-    """addend + (rows @ dequant(weights).T + bias) for rows = x (PLAIN), RMSNorm(x) (NORMED, row_kernels'
-    helper), or act(gate) x up for x = [gate | up] and acted_gate = act(gate) (GATED): the rows quantized
-    and the kernel called in one numba call. norm_weight [k], acted_gate [m, k], bias [n] and addend [m, n]:
-    NO_ROW / NO_ROWS where not used. `packed` is PackedWeight.arrays."""
+def project_rows(gemm, x, mode, norm_weight, eps, packed, bias, addend):  # pragma: no cover
+    """addend + (rows @ dequant(weights).T + bias) for rows = x (PLAIN), RMSNorm(x) (NORMED), or silu(gate) x up
+    for x = [gate | up] (GATED; both helpers are row_kernels'): the rows quantized and the kernel called in one
+    numba call. norm_weight [k], bias [n] and addend [m, n]: NO_ROW / NO_ROWS where not used. `packed` is
+    PackedWeight.arrays."""
     weights, n, k_padded, offset, scale = packed
     m = x.shape[0]
-    k = acted_gate.shape[1] if mode == GATED else x.shape[1]
+    k = x.shape[1] // 2 if mode == GATED else x.shape[1]
     codes = np.empty((m, k_padded), dtype=np.uint8)
     row_scale = np.empty(m, dtype=np.float32)
     values = np.empty(k, dtype=np.float32)
@@ -200,7 +200,7 @@ def project_rows(gemm, x, mode, norm_weight, eps, acted_gate, packed, bias, adde
             rms_norm_row(x[i], norm_weight, eps, values)
         else:
             for j in range(k):
-                values[j] = acted_gate[i, j] * x[i, k + j]
+                values[j] = silu(x[i, j]) * x[i, k + j]
         row_scale[i] = _quantize_row(values, codes[i])
     out = np.empty((m, n), dtype=np.float32)
     null = np.uintp(0)

@@ -80,9 +80,9 @@ def test_long_sequences_cut_into_spans_merge_to_the_same_result() -> None:
         span = paged_attention.span_positions(lengths.numpy(), threads)
         assert (span == 4096) == (threads == 1)
         out = torch.empty_like(q)
-        paged_attention._decode_attention(q.numpy(), k_pool.numpy(), v_pool.numpy(), tables.numpy(),
-                                          lengths.numpy(), block_size, np.float32(scale), threads,
-                                          paged_attention._shape_of(4, 3, 64), out.numpy())
+        paged_attention.decode_attention_into(q.numpy(), k_pool.numpy(), v_pool.numpy(), tables.numpy(),
+                                              lengths.numpy(), block_size, np.float32(scale), threads,
+                                              paged_attention.shape_of(4, 3, 64), out.numpy())
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
 
 

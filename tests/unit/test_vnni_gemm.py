@@ -13,7 +13,7 @@ import torch
 
 from cpu_engine import vnni_gemm
 from cpu_engine.int8 import Int8Projection, default_kernel
-from cpu_engine.row_kernels import rms_norm_rows
+from cpu_engine.row_kernels import rms_norm_rows, silu_rows
 
 needs_vnni = pytest.mark.skipif(vnni_gemm.gemm() is None, reason="needs AVX-512 VNNI and a C compiler")
 EPS = np.float32(1e-5)
@@ -33,9 +33,8 @@ def expected(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def project(packed: vnni_gemm.PackedWeight, x: np.ndarray, bias=vnni_gemm.NO_ROW, addend=vnni_gemm.NO_ROWS,
-            mode: int = vnni_gemm.PLAIN, norm_weight=vnni_gemm.NO_ROW, acted_gate=vnni_gemm.NO_ROWS) -> np.ndarray:
-    return vnni_gemm.project_rows(vnni_gemm.gemm(), x, mode, norm_weight, EPS, acted_gate, packed.arrays, bias,
-                                  addend)
+            mode: int = vnni_gemm.PLAIN, norm_weight=vnni_gemm.NO_ROW) -> np.ndarray:
+    return vnni_gemm.project_rows(vnni_gemm.gemm(), x, mode, norm_weight, EPS, packed.arrays, bias, addend)
 
 
 @needs_vnni
@@ -77,9 +76,9 @@ def test_the_norm_and_the_gated_product_are_quantized_as_if_computed_first() -> 
     x, weight = rng.standard_normal((3, 32)).astype(np.float32), rng.standard_normal(32).astype(np.float32)
     assert np.array_equal(project(packed, x, mode=vnni_gemm.NORMED, norm_weight=weight),
                           project(packed, rms_norm_rows(x, weight, EPS)))
-    gate_up, acted = rng.standard_normal((3, 64)).astype(np.float32), rng.standard_normal((3, 32)).astype(np.float32)
-    assert np.array_equal(project(packed, gate_up, mode=vnni_gemm.GATED, acted_gate=acted),
-                          project(packed, acted * gate_up[:, 32:]))
+    gate_up = rng.standard_normal((3, 64)).astype(np.float32)
+    assert np.array_equal(project(packed, gate_up, mode=vnni_gemm.GATED),
+                          project(packed, silu_rows(gate_up[:, :32]) * gate_up[:, 32:]))
 
 
 @needs_vnni
