@@ -264,6 +264,9 @@ class LlamaRunner:
         projections = _projections(model, config.int8_weights)
         self.weights = config.weights
         self.lm_head = projections["lm_head"]
+        # An int8 lm_head with float32 norms takes the final norm into its row kernel, as the layers do.
+        self.fused_head = (isinstance(self.lm_head, Int8Projection) and self.lm_head.fusable
+                           and self.norm.weight_array is not None)
         self.vocab_size = int(hf_config.vocab_size)
         attn = decoder.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
@@ -454,5 +457,7 @@ class LlamaRunner:
 
         if not logits_rows:  # a step of prompt chunks that all end mid-prompt
             return torch.empty(0, self.vocab_size)
-        last = self.norm(hidden[torch.tensor(logits_rows, dtype=torch.long)])
-        return self.lm_head(last).float()
+        last = hidden[torch.tensor(logits_rows, dtype=torch.long)]
+        if self.fused_head:
+            return self.lm_head.fused(last, norm=self.norm)
+        return self.lm_head(self.norm(last)).float()
