@@ -351,6 +351,28 @@ def test_calibration_teaches_the_budget_step_costs_before_the_first_request(chec
         scheduler.calibrate()
 
 
+def test_calibration_does_not_time_the_first_step_of_each_shape(checkpoint: Path) -> None:
+    """A kernel's first call loads or compiles it: that is no step's cost, and calibration must not teach it
+    to the budget. Here each shape's first forward takes 10 s of a fake clock, every later one 1 ms."""
+    now = [0.0]
+    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=4, max_seq_len=256,
+                                      max_num_tokens=64))
+    real_forward, seen = runner.forward, set()
+
+    def forward(token_ids, decode_blocks, decode_positions, chunks, logits_rows):  # noqa: ANN001, ANN202
+        shape = (len(decode_blocks), tuple(chunk.length for chunk in chunks))
+        now[0] += 0.001 if shape in seen else 10.0
+        seen.add(shape)
+        return real_forward(token_ids, decode_blocks, decode_positions, chunks, logits_rows)
+
+    runner.forward = forward
+    scheduler = Scheduler(runner, 64, clock=lambda: now[0])
+    scheduler.calibrate(context=16)
+    costs = scheduler.prefill_budget.costs
+    assert set(costs.decode_step_s) == {1, 2, 4} and max(costs.decode_step_s.values()) < 0.01
+    assert costs.prompt_token_s is not None and costs.prompt_token_s < 0.01
+
+
 def test_engine_loop_calls_after_step_between_steps(checkpoint: Path) -> None:
     """The Triton glue delivers a step's responses in `after_step`; each step's tokens must be out
     before the next step runs."""
