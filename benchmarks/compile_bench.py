@@ -86,11 +86,8 @@ class LayerFunctions:
         batch, block = len(token_ids), r.block_size
         pos = torch.tensor(positions)
         places = torch.tensor([t[p // block] * block + p % block for t, p in zip(tables, positions)])
-        hidden = r.embed(torch.tensor(token_ids))
-        cos, sin = r.rotary(hidden, pos[None, :])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
-        half = r.head_dim // 2
-        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        hidden = r.embed.index_select(0, torch.tensor(token_ids))
+        cos, sin_signed = r.rotary_of(pos)
         lengths = pos + 1
         per_row = -(-int(lengths.max()) // block)
         table_t = torch.tensor([t[:per_row] for t in tables])

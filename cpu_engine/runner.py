@@ -85,6 +85,8 @@ class Chunk:
     length: int
 
 
+# The rotary tables of every position are kept (LlamaRunner._rotary_tables_for_every_position) up to this size.
+ROTARY_TABLES_MAX_BYTES = 64 << 20
 # Fallback only (no oneDNN, or a dtype it cannot pack on this CPU): up to this many rows, `weight @ x.T`
 # beats `x @ weight.T` (F.linear): MKL's small-M sgemm path is up to 3x slower than the transposed product
 # on some CPUs (measured on this AMD EPYC: a 4096x768 projection of 4 rows took 3.4 ms as F.linear, 1.1 ms
@@ -258,7 +260,7 @@ class LlamaRunner:
         self.dtype, self.dtype_name = DTYPES[config.dtype], config.dtype
         model = AutoModelForCausalLM.from_pretrained(config.checkpoint_dir, dtype=self.dtype).eval()
         decoder = model.model
-        self.embed = decoder.embed_tokens
+        self.embed = decoder.embed_tokens.weight.detach()  # rows looked up by index_select (a Module call costs)
         self.norm = RMSNorm(decoder.norm)
         self.rotary = decoder.rotary_emb
         projections = _projections(model, config.int8_weights)
@@ -279,6 +281,7 @@ class LlamaRunner:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.max_seq_len = config.max_seq_len
+        self._rotary_tables = self._rotary_tables_for_every_position()
         self.max_batch_size = config.max_batch_size
         self.block_size = config.kv_block_size
         self.num_blocks = config.kv_cache_blocks
@@ -312,6 +315,27 @@ class LlamaRunner:
         # more cores (2 cores, `small` float32, 16 streams of 1,024 tokens through the whole stack, 3
         # interleaved rounds: 369 tok/s against 315 on one thread; benchmarks/README.md, scenario `l`).
         self.wide_attention_threads = 0
+
+    def _rotary_tables_for_every_position(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin' ([max_seq_len, 1, head_dim]) of every position, from the checkpoint's rotary module once:
+        a position's numbers do not depend on the others (the same bits as the module computes each step; a
+        test checks), and each step then takes two lookups instead of ~10 small ops. None where the tables
+        change with the sequence (dynamic NTK scaling, longrope) or would take over ROTARY_TABLES_MAX_BYTES."""
+        rope_type = str(getattr(self.rotary, "rope_type", "default"))
+        size = 2 * self.max_seq_len * self.head_dim * self.embed.element_size()
+        if "dynamic" in rope_type or rope_type == "longrope" or size > ROTARY_TABLES_MAX_BYTES:
+            return None
+        with torch.inference_mode():
+            return self.rotary_of(torch.arange(self.max_seq_len))
+
+    def rotary_of(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin' of `positions` from the checkpoint's module, [T, 1, head_dim] each. x cos +
+        rotate_half(x) sin == x cos + roll(x, half) sin', with sin' = sin with its first half negated: the same
+        numbers (negation is exact), in two ops fewer, and for q and k at once."""
+        cos, sin = self.rotary(self.embed[:1], positions[None, :])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        half = self.head_dim // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -382,13 +406,12 @@ class LlamaRunner:
         places_t = torch.tensor(places, dtype=torch.long)
         num_tokens = ids.shape[0]
 
-        hidden = self.embed(ids)
-        cos, sin = self.rotary(hidden, pos[None, :])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim]
-        # x cos + rotate_half(x) sin == x cos + roll(x, half) sin', with sin' = sin with its first half negated:
-        # the same numbers (negation is exact), in two ops fewer, and for q and k at once.
+        hidden = self.embed.index_select(0, ids)
+        if self._rotary_tables is not None:
+            cos, sin_signed = (table.index_select(0, pos) for table in self._rotary_tables)
+        else:
+            cos, sin_signed = self.rotary_of(pos)
         half = self.head_dim // 2
-        sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
         decode_mask = decode_tables = dec_len = None
         if num_decode:

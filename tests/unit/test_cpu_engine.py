@@ -749,3 +749,14 @@ def test_channel_polls_in_parts_and_answers_in_request_order(monkeypatch: pytest
                 assert len(names) <= count // channel.POLL_CHUNK
     finally:
         channel.close()
+
+
+def test_the_rotary_tables_hold_the_bits_the_checkpoints_module_computes(checkpoint: Path) -> None:
+    """LlamaRunner keeps cos and sin' of every position, computed once: each position's row must be what the
+    module computes for it among any other positions (a step looks rows up instead of calling the module)."""
+    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=256))
+    assert runner._rotary_tables is not None
+    for positions in ([0], [5, 3], list(range(100, 140)), [255, 1, 77]):
+        pos = torch.tensor(positions)
+        for table, computed in zip(runner._rotary_tables, runner.rotary_of(pos), strict=True):
+            assert torch.equal(table.index_select(0, pos), computed)
