@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from cpu_engine.config import EngineConfig
 from cpu_engine import vnni_gemm
+from cpu_engine.config import EngineConfig
 from cpu_engine.fused_step import decode_layers
 from cpu_engine.int8 import Int8Projection, load_int8_weights
 from cpu_engine.paged_attention import paged_decode_attention, shape_of
