@@ -289,6 +289,7 @@ def int8_on(kernel: str, runner: LlamaRunner, int8_file: Path) -> LlamaRunner:
         for part in ("qkv", "o_proj", "gate_up", "down"):
             setattr(layer, part, swap(getattr(layer, part), f"layers.{i}.{part}"))
         layer.fused = layer.fused and layer.qkv.fusable
+    runner.plan_fused_ops()
     return runner
 
 

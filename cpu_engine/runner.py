@@ -266,9 +266,6 @@ class LlamaRunner:
         projections = _projections(model, config.int8_weights)
         self.weights = config.weights
         self.lm_head = projections["lm_head"]
-        # An int8 lm_head with float32 norms takes the final norm into its row kernel, as the layers do.
-        self.fused_head = (isinstance(self.lm_head, Int8Projection) and self.lm_head.fusable
-                           and self.norm.weight_array is not None)
         self.vocab_size = int(hf_config.vocab_size)
         attn = decoder.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
@@ -301,12 +298,8 @@ class LlamaRunner:
         self._k_arrays = [layer.numpy() for layer in self.k_cache] if self.in_place_decode else []
         self._v_arrays = [layer.numpy() for layer in self.v_cache] if self.in_place_decode else []
         self.kv_bytes_per_position = 2 * self.kv_size * self.k_cache.element_size()  # K and V, one layer
-        # Decode-only steps of an int8 engine on the VNNI kernel: every layer in one numba call
-        # (cpu_engine.fused_step), each layer as its step_arrays; None where a layer cannot (the layer loop).
-        steps = [layer.step_arrays for layer in self.layers]
-        self.one_call_decode = (tuple(steps) if self.in_place_decode and all(arrays is not None for arrays in steps)
-                                else None)
         self._attention_shape = shape_of(self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        self.plan_fused_ops()
         # Threads for the in-place decode attention of steps that read at least WIDE_ATTENTION_MIN_KV_BYTES of
         # K/V a layer (0: the calling thread's numba setting, like every other step). The engine sets it when
         # it leaves cores to the rest of the stack: the rest of the step runs on fewer threads than the
@@ -315,6 +308,19 @@ class LlamaRunner:
         # more cores (2 cores, `small` float32, 16 streams of 1,024 tokens through the whole stack, 3
         # interleaved rounds: 369 tok/s against 315 on one thread; benchmarks/README.md, scenario `l`).
         self.wide_attention_threads = 0
+
+    def plan_fused_ops(self) -> None:
+        """Which of the runner's own ops run fused, from the projections it has now (each layer's `fused` says the
+        rest): at construction, and again by whoever swaps projections (benchmarks.engine_bench runs the other
+        int8 kernels side by side)."""
+        # An int8 lm_head with float32 norms takes the final norm into its row kernel, as the layers do.
+        self.fused_head = (isinstance(self.lm_head, Int8Projection) and self.lm_head.fusable
+                           and self.norm.weight_array is not None)
+        # Decode-only steps of an int8 engine on the VNNI kernel: every layer in one numba call
+        # (cpu_engine.fused_step), each layer as its step_arrays; None where a layer cannot (the layer loop).
+        steps = [layer.step_arrays for layer in self.layers]
+        self.one_call_decode = (tuple(steps) if self.in_place_decode and all(arrays is not None for arrays in steps)
+                                else None)
 
     def _rotary_tables_for_every_position(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos and sin' ([max_seq_len, 1, head_dim]) of every position, from the checkpoint's rotary module once:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.engine_bench import int8_on
 from benchmarks.engine_scenarios import compare_logits, logits_over, quality_tokens
 from build_engine.__main__ import main as build_main
 from cpu_engine.config import INT8_WEIGHTS_FILE, EngineConfig, resolve_dtype
@@ -162,6 +163,21 @@ def test_an_int8_engine_steps_the_same_bits_fused_and_unfused(checkpoint: Path, 
         layer.fused = False
     for a, b, c in zip(one_call, layer_by_layer, steps(), strict=True):
         assert torch.equal(a, b) and torch.equal(b, c)
+
+
+@pytest.mark.parametrize("kernel", each_kernel(*KERNELS))
+def test_a_runner_swapped_onto_another_kernel_plans_its_fused_ops_again(checkpoint: Path, int8_weights: Path,
+                                                                         kernel: str) -> None:
+    """engine_bench runs the int8 kernels side by side by swapping a runner's projections: the runner's fused
+    ops (the one-call decode step, the lm_head with the final norm) must follow the kernel it now has, or a
+    step would run the old kernel's arrays (or none) under the new kernel's name."""
+    config = EngineConfig(checkpoint_dir=checkpoint, max_batch_size=1, max_seq_len=32, kv_block_size=4,
+                          int8_weights=int8_weights)
+    runner = int8_on(kernel, LlamaRunner(config), int8_weights)
+    assert (runner.one_call_decode is not None) == (kernel == "vnni")
+    assert runner.fused_head == (kernel != "weight-only")
+    runner.forward([3, 4, 5], [], [], [Chunk([0, 1], 0, 3)], [2])
+    assert runner.forward([6], [[0, 1]], [3], [], [0]).shape == (1, VOCAB)
 
 
 def test_the_int8_engines_silu_is_within_a_few_ulps_of_pytorchs() -> None:
