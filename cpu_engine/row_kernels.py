@@ -60,9 +60,11 @@ class RMSNorm:
 
 @numba.njit(boundscheck=False, nogil=True, cache=True)
 def silu(x):  # pragma: no cover
-    """x / (1 + exp(-x)) in float32, exp from the C library (numba has no vector math library here: the same
-    bits in every loop it is inlined into). The int8 engine's SiLU (FusedLayer): PyTorch's vectorised exp can
-    differ from it in the last bit, and the int8 decode step computes the gate inside one numba call."""
+    """x / (1 + exp(-x)) in float32, exp from the C library: the same bits in every loop it is inlined into
+    (numba vectorises exp with Intel's SVML only where icc_rt is installed, which this project does not ship;
+    tests/unit/test_int8.py would catch fused and unfused layers apart). The int8 engine's SiLU (FusedLayer):
+    PyTorch's vectorised exp can differ from it in the last bit, and the int8 decode step computes the gate
+    inside one numba call."""
     return x / (np.float32(1.0) + np.exp(-x))
 
 
