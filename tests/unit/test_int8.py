@@ -140,8 +140,9 @@ def test_the_fused_projection_is_the_same_bits_as_its_ops_one_by_one(kernel: str
 
 def test_an_int8_engine_steps_the_same_bits_fused_and_unfused(checkpoint: Path, int8_weights: Path) -> None:
     """The runner's decode-only steps in one numba call (fused_step, on the VNNI kernel), its fused int8 layers
-    one by one (FusedLayer.fused), and every layer unfused: the same logits, bit for bit, through a prompt and
-    batched decode steps, so a sequence decodes the same in a decode-only step and beside another's prompt."""
+    one by one (FusedLayer.fused), and every layer unfused: the same logits, bit for bit, through prompts,
+    batched decode steps and a mixed step, so a sequence decodes the same in a decode-only step and beside
+    another's prompt."""
     config = EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4,
                           int8_weights=int8_weights)
     runner = LlamaRunner(config)
@@ -154,9 +155,14 @@ def test_an_int8_engine_steps_the_same_bits_fused_and_unfused(checkpoint: Path, 
                   runner.forward(prompt[:9], [], [], [Chunk(tables[1], 0, 9)], [8])]
         for step in range(4):
             logits.append(runner.forward([5, 7], tables, [len(prompt) + step, 9 + step], [], [0, 1]))
+        # a decode row beside another sequence's chunk (a mixed step: the layer loop), then alone
+        logits.append(runner.forward([6, 8, 9, 10], tables[:1], [len(prompt) + 4], [Chunk(tables[1], 13, 3)],
+                                     [0, 3]))
+        logits.append(runner.forward([6], tables[:1], [len(prompt) + 4], [], [0]))
         return logits
 
     one_call = steps()
+    assert torch.equal(one_call[-1][0], one_call[-2][0])  # the same row, beside a chunk and alone
     runner.one_call_decode = None
     layer_by_layer = steps()
     for layer in runner.layers:
