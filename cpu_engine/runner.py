@@ -294,11 +294,14 @@ class LlamaRunner:
 
         # Decode attention reads the pool in place (float32); bfloat16 gathers (see the module docstring).
         self.in_place_decode = self.dtype == torch.float32
-        # The pool's layers as numpy views, made once (the pool is never reallocated), for the numba kernels.
-        self._k_arrays = [layer.numpy() for layer in self.k_cache] if self.in_place_decode else []
-        self._v_arrays = [layer.numpy() for layer in self.v_cache] if self.in_place_decode else []
+        # The pools (and their layers) as numpy views, made once (the pool is never reallocated), for the numba
+        # kernels.
+        self._pool_arrays = (self.k_cache.numpy(), self.v_cache.numpy()) if self.in_place_decode else None
+        self._k_arrays = list(self._pool_arrays[0]) if self.in_place_decode else []
+        self._v_arrays = list(self._pool_arrays[1]) if self.in_place_decode else []
         self.kv_bytes_per_position = 2 * self.kv_size * self.k_cache.element_size()  # K and V, one layer
         self._attention_shape = shape_of(self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        self._scale32 = np.float32(self.scale)
         self.plan_fused_ops()
         # Threads for the in-place decode attention of steps that read at least WIDE_ATTENTION_MIN_KV_BYTES of
         # K/V a layer (0: the calling thread's numba setting, like every other step). The engine sets it when
@@ -380,8 +383,8 @@ class LlamaRunner:
         try:
             return torch.from_numpy(decode_layers(
                 vnni_gemm.gemm(), hidden.numpy(), self.one_call_decode, rotary_arrays[0], rotary_arrays[1], places,
-                self.k_cache.numpy(), self.v_cache.numpy(), tables.numpy(), lengths.numpy(), self.block_size,
-                np.float32(self.scale), threads, self._attention_shape))
+                *self._pool_arrays, tables.numpy(), lengths.numpy(), self.block_size, self._scale32, threads,
+                self._attention_shape))
         finally:
             if threads > 1:
                 numba.set_parallel_chunksize(previous)

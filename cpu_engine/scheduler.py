@@ -290,18 +290,14 @@ class Scheduler:
         sizes = sorted({min(n, max_batch) for n in (1, 2, 4, 8, 16, 32, max_batch)})
         mixed = sizes[-1] // 2  # a half-full batch decoding while the last row reads a chunk
         chunk = Chunk(tables[sizes[-1] - 1], start=0, length=min(context, self.max_num_tokens))
-        # Each shape once untimed first: a kernel's first call in a process loads it from numba's cache or
-        # compiles it, which was learned as the step's cost (seen: 0.27-7.6 s for a batch-1 step of ~4 ms).
-        for n in sizes:
-            self.runner.forward([1] * n, tables[:n], [context] * n, [], list(range(n)))
-        if mixed:
-            self.runner.forward([1] * (mixed + chunk.length), tables[:mixed], [context] * mixed, [chunk],
-                                list(range(mixed)))
-        for _ in range(repeats):
+        # Round 0 is not learned: a kernel's first call in a process loads it from numba's cache or compiles
+        # it, which was learned as the step's cost (seen: 0.27-7.6 s for a batch-1 step of ~4 ms).
+        for round_ in range(1 + repeats):
             for n in sizes:
-                self._timed_forward([1] * n, tables[:n], [context] * n, [])
+                self._timed_forward([1] * n, tables[:n], [context] * n, [], learn=round_ > 0)
             if mixed:
-                self._timed_forward([1] * (mixed + chunk.length), tables[:mixed], [context] * mixed, [chunk])
+                self._timed_forward([1] * (mixed + chunk.length), tables[:mixed], [context] * mixed, [chunk],
+                                    learn=round_ > 0)
 
     def _calibration_tables(self, context: int) -> tuple[int, list[list[int]]]:
         """The context and one block table per batch row that calibration steps decode at (blocks no sequence
@@ -326,13 +322,14 @@ class Scheduler:
         return statistics.median(times[1:])
 
     def _timed_forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
-                       chunks: list[Chunk], logits_rows: list[int] | None = None) -> torch.Tensor:
-        """One forward pass; its time teaches the prefill budget what steps cost."""
+                       chunks: list[Chunk], logits_rows: list[int] | None = None, learn: bool = True) -> torch.Tensor:
+        """One forward pass; its time teaches the prefill budget what steps cost (unless not `learn`)."""
         rows = list(range(len(decode_blocks))) if logits_rows is None else logits_rows
         started = self._clock()
         logits = self.runner.forward(token_ids, decode_blocks, decode_positions, chunks, rows)
-        self.prefill_budget.observe(self._clock() - started, len(decode_blocks),
-                                    sum(chunk.length for chunk in chunks))
+        if learn:
+            self.prefill_budget.observe(self._clock() - started, len(decode_blocks),
+                                        sum(chunk.length for chunk in chunks))
         return logits
 
     # ----- admission -----------------------------------------------------------------------------
