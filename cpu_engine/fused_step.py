@@ -1,4 +1,4 @@
-"""The int8 engine's decode-only step through every decoder layer in one numba call.
+"""The int8 engine's step of decode rows through every decoder layer in one numba call.
 
 With our VNNI GEMM (cpu_engine.vnni_gemm) a `small` int8 product takes ~46 us, and a batch-1 step makes 49 of
 them; between them the runner's layer loop spent ~15 us of Python and PyTorch dispatch per product in plain
@@ -7,10 +7,12 @@ about as long as the products themselves. Here a step's layers are one call: the
 rotary and the KV cache store, attention over the paged cache, o_proj with the residual add, the norm and the
 gate/up product, SiLU with the down product and the residual add, for every layer, with no Python between.
 
+Decode rows are the decoding sequences' tokens and, where they read little K/V, the step's prompt chunks' tokens
+(runner.LlamaRunner._chunks_as_decode_rows): a new request's short prompt tail runs here beside the others.
 Every piece is the function the layer-by-layer path calls (vnni_gemm.project_rows, row_kernels.rotate_and_store,
-paged_attention's kernel), so a decode row gets the same bits either way: a sequence decodes the same in a
-decode-only step (here) and in a step that also reads another request's prompt (the runner's layer loop;
-tests/unit/test_int8.py checks the two against each other and against the unfused layers).
+paged_attention's kernel), so a decode row gets the same bits either way: a sequence decodes the same here and in
+a step that also reads another request's long prompt chunk (the runner's layer loop; tests/unit/test_int8.py
+checks the two against each other and against the unfused layers).
 """
 
 from __future__ import annotations

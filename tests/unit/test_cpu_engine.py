@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from build_engine.cpu_engine_builder import write_int8_weights
 from cpu_engine.config import EngineConfig
 from cpu_engine.engine import Engine, EngineFailedError
+from cpu_engine import runner as runner_module
 from cpu_engine.runner import Chunk, LlamaRunner, Projection
 from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
 from cpu_engine.scheduler import (STOPPED_BY_ID, FinishReason, GenerationRequest, PrefillBudget, RequestError,
@@ -98,7 +99,13 @@ def prompt_of(length: int, offset: int = 0) -> list[int]:
     return [(7 * i + offset) % (VOCAB - 1) + 1 for i in range(length)]
 
 
-def test_runner_matches_hugging_face_forward(checkpoint: Path) -> None:
+@pytest.mark.parametrize("chunks_as_rows", [True, False], ids=["chunks-as-decode-rows", "chunk-kernel"])
+def test_runner_matches_hugging_face_forward(checkpoint: Path, chunks_as_rows: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways a prompt chunk is read (runner._chunks_as_decode_rows): as decode rows, and by the chunk
+    attention kernel (the bound at 0: every chunk takes it)."""
+    if not chunks_as_rows:
+        monkeypatch.setattr(runner_module, "ROWS_AS_DECODE_MAX_KV_BYTES", 0)
     model = LlamaForCausalLM.from_pretrained(checkpoint)
     runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4))
     prompt = prompt_of(11)
@@ -111,6 +118,36 @@ def test_runner_matches_hugging_face_forward(checkpoint: Path) -> None:
     torch.testing.assert_close(first, expected[:5], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(second[0], expected[9], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(third[0], expected[10], atol=1e-4, rtol=1e-4)
+
+
+def test_a_steps_chunks_run_as_decode_rows_only_under_the_attention_bound(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed step's chunk runs as decode rows exactly when every row's attention reads under
+    ROWS_AS_DECODE_MAX_KV_BYTES of K/V a layer (counted: the chunk attention kernel is called or not), and the two
+    ways give the same logits within float32 rounding and the same greedy tokens."""
+    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4))
+    tables, prompt = [list(range(0, 8)), list(range(8, 16))], prompt_of(20)
+    runner.forward(prompt, [], [], [Chunk(tables[0], 0, 20)], [19])
+    runner.forward(prompt[:9], [], [], [Chunk(tables[1], 0, 9)], [8])
+    # decode row at 20 (21 positions read) beside a chunk of 3 after 9 cached tokens (10 + 11 + 12)
+    reads = (21 + 10 + 11 + 12) * runner.kv_bytes_per_position
+    chunk_calls = []
+    sdpa = runner_module.F.scaled_dot_product_attention
+    monkeypatch.setattr(runner_module.F, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: chunk_calls.append(1) or sdpa(*args, **kwargs))
+
+    def mixed_step_with_bound(bound: int) -> torch.Tensor:
+        monkeypatch.setattr(runner_module, "ROWS_AS_DECODE_MAX_KV_BYTES", bound)
+        chunk_calls.clear()
+        return runner.forward([6, 8, 9, 10], tables[:1], [20], [Chunk(tables[1], 9, 3)], [0, 3])
+
+    as_rows = mixed_step_with_bound(reads + 1)
+    assert not chunk_calls
+    by_chunk_kernel = mixed_step_with_bound(reads)
+    assert len(chunk_calls) == len(runner.layers)
+    torch.testing.assert_close(as_rows, by_chunk_kernel, atol=1e-5, rtol=1e-5)
+    assert torch.equal(as_rows.argmax(-1), by_chunk_kernel.argmax(-1))
+    assert torch.equal(as_rows[0], by_chunk_kernel[0])  # the decode row is the decode kernel's either way
 
 
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl-fallback"])

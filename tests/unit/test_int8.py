@@ -18,6 +18,7 @@ from cpu_engine.int8 import (HAS_FBGEMM, KERNELS, NARROW_STEPS, RESIDUAL_GAIN, W
                              default_kernel, load_int8_weights, quantize_per_channel, save_int8_weights,
                              wide_activations)
 from cpu_engine.row_kernels import RMSNorm, silu_of
+from cpu_engine import runner as runner_module
 from cpu_engine.runner import Chunk, LlamaRunner, fused_projections
 from tests.unit.test_cpu_engine import VOCAB, checkpoint, int8_weights  # noqa: F401
 
@@ -138,11 +139,17 @@ def test_the_fused_projection_is_the_same_bits_as_its_ops_one_by_one(kernel: str
     assert torch.equal(plain.fused(x), plain(x)) and not torch.equal(projection(x), plain(x))  # the bias counts
 
 
-def test_an_int8_engine_steps_the_same_bits_fused_and_unfused(checkpoint: Path, int8_weights: Path) -> None:
+@pytest.mark.parametrize("chunks_as_rows", [True, False], ids=["chunks-as-decode-rows", "chunk-kernel"])
+def test_an_int8_engine_steps_the_same_bits_fused_and_unfused(checkpoint: Path, int8_weights: Path,
+                                                              chunks_as_rows: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner's decode-only steps in one numba call (fused_step, on the VNNI kernel), its fused int8 layers
     one by one (FusedLayer.fused), and every layer unfused: the same logits, bit for bit, through prompts,
     batched decode steps and a mixed step, so a sequence decodes the same in a decode-only step and beside
-    another's prompt."""
+    another's prompt; with the prompt chunks read as decode rows (then the mixed step runs in one call too) and
+    by the chunk attention kernel (the bound at 0: the mixed step runs the layer loop)."""
+    if not chunks_as_rows:
+        monkeypatch.setattr(runner_module, "ROWS_AS_DECODE_MAX_KV_BYTES", 0)
     config = EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4,
                           int8_weights=int8_weights)
     runner = LlamaRunner(config)
@@ -155,7 +162,7 @@ def test_an_int8_engine_steps_the_same_bits_fused_and_unfused(checkpoint: Path, 
                   runner.forward(prompt[:9], [], [], [Chunk(tables[1], 0, 9)], [8])]
         for step in range(4):
             logits.append(runner.forward([5, 7], tables, [len(prompt) + step, 9 + step], [], [0, 1]))
-        # a decode row beside another sequence's chunk (a mixed step: the layer loop), then alone
+        # a decode row beside another sequence's chunk (a mixed step), then alone
         logits.append(runner.forward([6, 8, 9, 10], tables[:1], [len(prompt) + 4], [Chunk(tables[1], 13, 3)],
                                      [0, 3]))
         logits.append(runner.forward([6], tables[:1], [len(prompt) + 4], [], [0]))
