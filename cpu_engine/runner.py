@@ -102,6 +102,15 @@ WIDE_ATTENTION_MIN_KV_BYTES = 8 << 20
 # L 32 (34 MiB) 45.8 against 50.9: per-row attention loses only where it reads tens of MiB. The same bound as
 # wide attention's, so that a step that takes the rows stays on the calling thread (and in one numba call).
 ROWS_AS_DECODE_MAX_KV_BYTES = WIDE_ATTENTION_MIN_KV_BYTES
+# oneDNN's float32 product of fewer rows than this is padded with zero rows to this many, for two reasons. Its
+# kernel for one row sums inputs of 1,536 or more (a `small` model's down projection) in another order than its
+# kernels for 2+ rows, so a sequence decoding alone got other bits than in a batch (tests/unit/test_cpu_engine.py
+# checks every row count from 1); with 2+ rows a row's result does not depend on the others. And 1-3 rows are
+# slower than 4: all 48 projections of a `small` step, one thread, on a 2-core AMD EPYC (AVX-512), 1 / 2 / 3 / 4
+# rows took 23.7 / 29.8 / 22.4 / 19.4 ms (1-3 rows read the weights at ~12.5 GB/s, half of one core's
+# bandwidth there). Not for bfloat16: its 1-row product has the same bits as in a batch, and was the fastest
+# (14.2 against 15.1 ms at 4).
+ONEDNN_FLOAT32_MIN_ROWS = 4
 
 
 def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
@@ -120,8 +129,9 @@ class Projection:
     oneDNN on a weight packed once at load beats MKL's sgemm on this AMD EPYC (AVX2) wherever the step is
     not bound by reading the weights from memory: a batch-16 decode step of the `small` preset took 77 ms
     against 86 ms (medians of interleaved runs), a 256-token prompt chunk 411 against 554 ms; at batch 1
-    both read the weights at memory speed. It also gives a row the same bits whatever the other rows are,
-    so a greedy sequence decodes the same alone and in a full batch. `torch.ops.mkldnn._linear_pointwise`
+    both read the weights at memory speed. It also gives a row the same bits whatever the other rows are
+    (from 2 rows on: a single float32 row is padded, ONEDNN_FLOAT32_MIN_ROWS), so a greedy sequence decodes
+    the same alone and in a full batch. `torch.ops.mkldnn._linear_pointwise`
     is the op Inductor's CPU backend emits for linears; where oneDNN cannot pack the weight we use MKL.
     """
 
@@ -129,6 +139,7 @@ class Projection:
         self.bias = bias
         self.packed = _pack_for_onednn(weight)
         self.weight = weight if self.packed is None else None  # the packed copy replaces it
+        self.min_rows = ONEDNN_FLOAT32_MIN_ROWS if self.packed is not None and weight.dtype == torch.float32 else 0
 
     @property
     def uses_onednn(self) -> bool:
@@ -142,6 +153,11 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            rows = x.shape[0]
+            if rows < self.min_rows:
+                padded = x.new_zeros(self.min_rows, x.shape[1])
+                padded[:rows] = x
+                return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if x.shape[0] > SMALL_BATCH_ROWS:
             return F.linear(x, self.weight, self.bias)

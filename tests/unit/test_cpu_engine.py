@@ -163,15 +163,23 @@ def test_projection_matches_f_linear_at_every_batch_size(onednn: bool, monkeypat
         torch.testing.assert_close(projection(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
-def test_onednn_projection_gives_a_row_the_same_bits_in_any_batch() -> None:
-    """Why greedy decoding is the same alone and batched, and why we prefer oneDNN's kernel."""
+@pytest.mark.parametrize("shape", [(1280, 768), (512, 1536)])
+def test_onednn_projection_gives_a_row_the_same_bits_in_any_batch(shape: tuple[int, int]) -> None:
+    """Why greedy decoding is the same alone and batched, and why we prefer oneDNN's kernel. With 1,536 inputs
+    (a `small` model's down projection) oneDNN's own 1-row kernel sums in another order than its kernels for
+    more rows: the runner pads a float32 row to ONEDNN_FLOAT32_MIN_ROWS (bfloat16 needs no padding)."""
     generator = torch.Generator().manual_seed(1)
-    projection = Projection(torch.randn(1280, 768, generator=generator))
+    weight = torch.randn(*shape, generator=generator)
+    projection = Projection(weight)
     assert projection.uses_onednn  # the pinned torch CPU wheel has oneDNN; without it the engine is slower
-    x = torch.randn(300, 768, generator=generator)
+    assert projection.min_rows == runner_module.ONEDNN_FLOAT32_MIN_ROWS > 1
+    x = torch.randn(300, shape[1], generator=generator)
     alone = projection(x[:1])
-    for rows in (2, 7, 16, 32, 129, 300):
+    assert alone.shape == (1, shape[0]) and alone.is_contiguous()
+    for rows in (2, 3, 4, 7, 16, 32, 129, 300):
         assert torch.equal(projection(x[:rows])[:1], alone), rows
+    bfloat16 = Projection(weight.bfloat16())
+    assert bfloat16.min_rows == 0 or not bfloat16.uses_onednn
 
 
 def test_greedy_alone_equals_greedy_in_a_full_batch(checkpoint: Path, weights: Path | None) -> None:
