@@ -413,7 +413,6 @@ class LlamaRunner:
             if threads > 1:
                 numba.set_parallel_chunksize(previous)
 
-    @torch.inference_mode()
     def _chunks_as_decode_rows(self, decode_blocks: list[list[int]], decode_positions: list[int],
                                chunks: list[Chunk]) -> tuple[list[list[int]], list[int], list[Chunk]]:
         """The step's prompt chunks as decode rows (one a token, at its position, with its sequence's block
@@ -437,6 +436,7 @@ class LlamaRunner:
             positions.extend(range(chunk.start, chunk.start + chunk.length))
         return blocks, positions, []
 
+    @torch.inference_mode()
     def forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
                 chunks: list[Chunk], logits_rows: list[int]) -> torch.Tensor:
         """Run one step and return float32 logits for the packed rows in `logits_rows`.

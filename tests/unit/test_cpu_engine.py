@@ -115,6 +115,7 @@ def test_runner_matches_hugging_face_forward(checkpoint: Path, chunks_as_rows: b
     first = runner.forward(prompt[:5], [], [], [Chunk(table, 0, 5)], [0, 1, 2, 3, 4])
     second = runner.forward(prompt[5:10], [], [], [Chunk(table, 5, 5)], [4])
     third = runner.forward(prompt[10:], [table], [10], [], [0])  # the last token as a decode token
+    assert first.is_inference() and third.is_inference()  # no autograd bookkeeping in a step
     torch.testing.assert_close(first, expected[:5], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(second[0], expected[9], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(third[0], expected[10], atol=1e-4, rtol=1e-4)
