@@ -401,7 +401,7 @@ class LlamaRunner:
 
     def _decode_in_one_call(self, hidden: torch.Tensor, rotary_arrays: tuple[np.ndarray, np.ndarray],
                             places: np.ndarray, tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The residual stream of a decode-only step after every layer, in one numba call (fused_step)."""
+        """The residual stream of a step of decode rows only after every layer, in one numba call (fused_step)."""
         threads = numba.get_num_threads()
         previous = numba.set_parallel_chunksize(1) if threads > 1 else 0  # as paged_decode_attention sets it
         try:
