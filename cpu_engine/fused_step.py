@@ -1,28 +1,61 @@
-"""The int8 engine's step of decode rows through every decoder layer in one numba call.
+"""A step of decode rows through every decoder layer in one numba call, on our own kernels.
 
-With our VNNI GEMM (cpu_engine.vnni_gemm) a `small` int8 product takes ~46 us, and a batch-1 step makes 49 of
-them; between them the runner's layer loop spent ~15 us of Python and PyTorch dispatch per product in plain
-steps, ~40 us inside the running stack (where the frontend and tritonserver share the cores and the caches):
-about as long as the products themselves. Here a step's layers are one call: the norm and the qkv product,
-rotary and the KV cache store, attention over the paged cache, o_proj with the residual add, the norm and the
-gate/up product, SiLU with the down product and the residual add, for every layer, with no Python between.
+With our kernels (cpu_engine.vnni_gemm for int8 weights, cpu_engine.float32_gemm for float32 ones) a `small`
+int8 product takes ~46 us, and a batch-1 step makes 49 of them; between them the runner's layer loop spent ~15 us
+of Python and PyTorch dispatch per product in plain steps, ~40 us inside the running stack (where the frontend
+and tritonserver share the cores and the caches): about as long as the products themselves. Here a step's layers
+are one call: the norm and the qkv product, rotary and the KV cache store, attention over the paged cache, o_proj
+with the residual add, the norm and the gate/up product, SiLU with the down product and the residual add, for
+every layer, with no Python between.
 
 Decode rows are the decoding sequences' tokens and, where they read little K/V, the step's prompt chunks' tokens
 (runner.LlamaRunner._chunks_as_decode_rows): a new request's short prompt tail runs here beside the others.
-Every piece is the function the layer-by-layer path calls (vnni_gemm.project_rows, row_kernels.rotate_and_store,
+Every piece is the function the layer-by-layer path calls (`project`, row_kernels.rotate_and_store,
 paged_attention's kernel), so a decode row gets the same bits either way: a sequence decodes the same here and in
-a step that also reads another request's long prompt chunk (the runner's layer loop; tests/unit/test_int8.py
-checks the two against each other and against the unfused layers).
+a step that also reads another request's long prompt chunk (the runner's layer loop; tests/unit/test_int8.py and
+tests/unit/test_float32_gemm.py check the two against each other).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
+from numba import types
+from numba.extending import overload
 
+from cpu_engine import float32_gemm, vnni_gemm
 from cpu_engine.paged_attention import decode_attention_into
-from cpu_engine.row_kernels import rotate_and_store
-from cpu_engine.vnni_gemm import GATED, NORMED, PLAIN, project_rows
+from cpu_engine.row_kernels import GATED, NO_ROW, NO_ROWS, NORMED, PLAIN, rotate_and_store
+
+
+def project_rows(gemm, x, mode, norm_weight, eps, packed, bias, addend):  # pragma: no cover
+    """The row kernel of the packed weight's kernel: vnni_gemm.project_rows for int8 weights,
+    float32_gemm.project_rows for float32 ones (chosen where numba compiles the caller, by the weights' type)."""
+    raise NotImplementedError("called from numba only")
+
+
+@overload(project_rows)
+def _row_kernel_for(gemm, x, mode, norm_weight, eps, packed, bias, addend):  # pragma: no cover
+    kernel = vnni_gemm.project_rows if packed.types[0].dtype == types.int8 else float32_gemm.project_rows
+    return lambda gemm, x, mode, norm_weight, eps, packed, bias, addend: kernel(
+        gemm, x, mode, norm_weight, eps, packed, bias, addend)
+
+
+@numba.njit(boundscheck=False, nogil=True, cache=True)
+def _project(gemm, x, mode, norm_weight, eps, packed, bias, addend):  # pragma: no cover
+    return project_rows(gemm, x, mode, norm_weight, eps, packed, bias, addend)
+
+
+def project(gemm, packed: tuple, bias: np.ndarray, x: torch.Tensor, norm=None, gated: bool = False,
+            add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """add_to + the projection of norm(x), or of silu(gate) x up for rows x = [gate | up] (`gated`), on our
+    kernel `gemm` with its packed weight: float32 rows (contiguous), `norm` a row_kernels.RMSNorm with float32
+    weights, `bias` a float32 array (NO_ROW: none). What Int8Projection.fused and Projection.fused run."""
+    mode = NORMED if norm is not None else GATED if gated else PLAIN
+    return torch.from_numpy(_project(
+        gemm, x.numpy(), mode, NO_ROW if norm is None else norm.weight_array,
+        np.float32(0) if norm is None else norm.eps32, packed, bias, NO_ROWS if add_to is None else add_to.numpy()))
 
 
 @numba.njit(boundscheck=False, nogil=True, cache=True)
@@ -30,11 +63,11 @@ def decode_layers(gemm, hidden, layers, cos, sin_signed, places, k_pools, v_pool
                   scale, threads, shape):  # pragma: no cover
     """The residual stream after every layer, for decode rows `hidden` [B, hidden] (float32).
 
-    `layers`: one tuple a layer, (input norm weight, its eps, qkv PackedWeight.arrays, qkv bias, o_proj arrays,
-    o_proj bias, post-attention norm weight, its eps, gate_up arrays, gate_up bias, down arrays, down bias);
-    biases empty where there are none. k_pools / v_pools [layers, positions, kv_heads, head_dim] (the runner's
-    pools); cos / sin_signed, places, tables, lengths, threads and shape as the runner passes them to
-    rotate_and_store and paged_attention."""
+    `layers`: one tuple a layer, (input norm weight, its eps, qkv packed weight, qkv bias, o_proj packed weight,
+    o_proj bias, post-attention norm weight, its eps, gate_up packed weight, gate_up bias, down packed weight, down
+    bias): every weight packed for `gemm`'s kernel, biases empty where there are none. k_pools / v_pools [layers,
+    positions, kv_heads, head_dim] (the runner's pools); cos / sin_signed, places, tables, lengths, threads and
+    shape as the runner passes them to rotate_and_store and paged_attention."""
     batch = hidden.shape[0]
     kv_heads, dim = len(shape[0]), len(shape[2])
     heads = kv_heads * len(shape[1])

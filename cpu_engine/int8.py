@@ -53,8 +53,8 @@ import numba
 import numpy as np
 import torch
 
-from cpu_engine import vnni_gemm
-from cpu_engine.row_kernels import RMSNorm, rms_norm_row, silu
+from cpu_engine import fused_step, vnni_gemm
+from cpu_engine.row_kernels import NO_ROW, NO_ROWS, RMSNorm, rms_norm_row, silu
 
 # Scales are bfloat16 (the weight-only kernel's own dtype; FBGEMM takes them exactly as float64);
 # quantizing with the rounded scale makes q x scale the weight's closest int8 picture for the scale the
@@ -71,8 +71,7 @@ WIDE_STEPS, WIDE_ZERO_POINT = 127, 128
 NARROW_STEPS, NARROW_ZERO_POINT = 64, 64  # a power of two: u x 64 is exact, so our rounding and the kernel's agree
 RESIDUAL_GAIN = 2 * NARROW_STEPS
 _TINY = vnni_gemm.TINY
-_NO_BIAS, _NO_ROWS = vnni_gemm.NO_ROW, vnni_gemm.NO_ROWS  # the row kernels' "none" (empty float32 arrays)
-_NO_EPS = np.float32(0)
+_NO_BIAS, _NO_ROWS = NO_ROW, NO_ROWS  # the row kernels' "none" (empty float32 arrays)
 # The op's one overload, resolved once, and its C++ entry point (`_op`): through the overload packet each call
 # first searches its arguments for script objects (the packed weight is one), ~4 us a call, and the overload's
 # Python __call__ then checks them for torch.compile's fake script objects, ~1.1 us more (8.6 against 9.8 us
@@ -233,12 +232,12 @@ class Int8Projection:
         self.scale = scale.to(SCALE_DTYPE).clone()
         self._weight_bytes = q.nbytes
         self.fusable = self.kernel != "weight-only"  # the row kernels (`fused`) run around this product
-        self._gemm = vnni_gemm.gemm() if self.kernel == "vnni" else None
-        if (self.kernel == "vnni" and self._gemm is None) or (self.kernel.startswith("fbgemm") and not HAS_FBGEMM):
+        self.gemm = vnni_gemm.gemm() if self.kernel == "vnni" else None
+        if (self.kernel == "vnni" and self.gemm is None) or (self.kernel.startswith("fbgemm") and not HAS_FBGEMM):
             raise ValueError(f"the {self.kernel} int8 kernel cannot run on this machine")
-        # PackedWeight.arrays, the tuple the numba kernels take (project_rows, fused_step), built once rather
-        # than at every call; None on the other kernels
-        self.vnni = vnni_gemm.PackedWeight(q.numpy(), self.scale.float().numpy()).arrays if self._gemm else None
+        # The VNNI kernel's packed weight as the numba kernels take it (PackedWeight.arrays, fused_step), built
+        # once rather than at every call; None on the other kernels
+        self.arrays = vnni_gemm.PackedWeight(q.numpy(), self.scale.float().numpy()).arrays if self.gemm else None
         self.packed = _fbgemm_pack(q, self.scale) if self.kernel.startswith("fbgemm") else None
         self.wide = self.kernel != "fbgemm-residual"  # 8-bit activation rows (the FBGEMM kernels: see above)
         # The row kernels add a float32 bias (`fused_bias`, an empty array: none); any other is added as a tensor.
@@ -276,13 +275,10 @@ class Int8Projection:
         run inside the row kernels around the int8 product instead of as PyTorch ops of their own: at batch 1
         each op costs microseconds of Python and dispatch, more than its arithmetic. Not on the weight-only
         kernel; x and add_to float32 rows, `norm` with float32 weights."""
+        if self.arrays is not None:
+            return fused_step.project(self.gemm, self.arrays, self.fused_bias, x, norm, gated, add_to)
         rows = x.numpy()
         addend = _NO_ROWS if add_to is None else add_to.numpy()
-        if self.vnni is not None:
-            mode = vnni_gemm.NORMED if norm is not None else vnni_gemm.GATED if gated else vnni_gemm.PLAIN
-            return torch.from_numpy(vnni_gemm.project_rows(
-                self._gemm, rows, mode, _NO_BIAS if norm is None else norm.weight_array,
-                _NO_EPS if norm is None else norm.eps32, self.vnni, self.fused_bias, addend))
         residual = not self.wide
         if norm is not None:
             pictures, row_max = _norm_split_rows(rows, norm.weight_array, norm.eps32, residual)

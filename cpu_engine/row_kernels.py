@@ -84,6 +84,24 @@ def silu_of(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(silu_rows(x.numpy()))
 
 
+# What a projection's row kernel (vnni_gemm.project_rows, float32_gemm.project_rows) multiplies: the rows as
+# they are, RMSNorm of them, or silu(gate) x up of rows [gate | up].
+PLAIN, NORMED, GATED = 0, 1, 2
+NO_ROW, NO_ROWS = np.empty(0, dtype=np.float32), np.empty((0, 0), dtype=np.float32)  # "none" for numba
+
+
+@numba.njit(boundscheck=False, nogil=True, cache=True)
+def input_row(x, mode, norm_weight, eps, out):  # pragma: no cover
+    """out = RMSNorm(x) (NORMED, weights `norm_weight`) or silu(gate) x up for x = [gate | up] (GATED): the
+    ops before a projection, computed for its row kernel."""
+    if mode == NORMED:
+        rms_norm_row(x, norm_weight, eps, out)
+    else:
+        k = out.shape[0]
+        for j in range(k):
+            out[j] = silu(x[j]) * x[k + j]
+
+
 @numba.njit(boundscheck=False, nogil=True, cache=True)
 def rotate_and_store(qkv, heads, kv_heads, cos, sin_signed, places, k_pool, v_pool, q_out):  # pragma: no cover
     """Rotary on q and k (x cos + roll(x, head_dim / 2) sin_signed, each product rounded as PyTorch's three ops

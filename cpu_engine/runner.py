@@ -8,7 +8,8 @@ rotary, attention and the cache are ours, with the modules' numbers), so every s
 for all active sequences:
 
 - all tokens of the step go through the linear layers together, as one [T, hidden] matrix (q/k/v and
-  gate/up fused into one GEMM each; on float weights, or on the build's int8 copy: cpu_engine.int8);
+  gate/up fused into one GEMM each; on float weights (float32 on our own kernel where the CPU has AVX-512:
+  cpu_engine.float32_gemm), or on the build's int8 copy: cpu_engine.int8);
 - the KV cache is one pool of fixed-size blocks per layer ([blocks, block_size, kv_heads, head_dim] for K
   and for V), preallocated once; a sequence's block table (which the scheduler owns, see
   cpu_engine.kv_blocks) says which blocks hold its positions, so a sequence holds only the blocks it
@@ -20,8 +21,8 @@ for all active sequences:
   gathers each sequence's blocks into a [batch, kv_heads, length, head_dim] tensor instead); each prompt
   chunk attends on its own, over its blocks gathered, with a causal mask offset by what its sequence
   already has in cache;
-- on int8 weights with our VNNI GEMM, a step of decode tokens only runs every layer in one numba call
-  (cpu_engine.fused_step: the same functions as the layer loop, so the same bits, without the Python
+- on our own kernels (float32, or int8 with VNNI), a step of decode tokens only runs every layer in one numba
+  call (cpu_engine.fused_step: the same functions as the layer loop, so the same bits, without the Python
   between them).
 """
 
@@ -38,12 +39,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from cpu_engine import vnni_gemm
+from cpu_engine import float32_gemm, fused_step
 from cpu_engine.config import EngineConfig
-from cpu_engine.fused_step import decode_layers
 from cpu_engine.int8 import Int8Projection, load_int8_weights
 from cpu_engine.paged_attention import paged_decode_attention, shape_of
-from cpu_engine.row_kernels import RMSNorm, rotate_and_store, silu_of
+from cpu_engine.row_kernels import NO_ROW, RMSNorm, rotate_and_store, silu_of
 
 # Architectures whose decoder layer is Llama's: RMSNorm, rotary, GQA attention (optional q/k/v bias,
 # optional per-head q/k norm), gated MLP.
@@ -102,14 +102,14 @@ WIDE_ATTENTION_MIN_KV_BYTES = 8 << 20
 # L 32 (34 MiB) 45.8 against 50.9: per-row attention loses only where it reads tens of MiB. The same bound as
 # wide attention's, so that a step that takes the rows stays on the calling thread (and in one numba call).
 ROWS_AS_DECODE_MAX_KV_BYTES = WIDE_ATTENTION_MIN_KV_BYTES
-# oneDNN's float32 product of fewer rows than this is padded with zero rows to this many, for two reasons. Its
-# kernel for one row sums inputs of 1,536 or more (a `small` model's down projection) in another order than its
-# kernels for 2+ rows, so a sequence decoding alone got other bits than in a batch (tests/unit/test_cpu_engine.py
-# checks every row count from 1); with 2+ rows a row's result does not depend on the others. And 1-3 rows are
-# slower than 4: all 48 projections of a `small` step, one thread, on a 2-core AMD EPYC (AVX-512), 1 / 2 / 3 / 4
-# rows took 23.7 / 29.8 / 22.4 / 19.4 ms (1-3 rows read the weights at ~12.5 GB/s, half of one core's
-# bandwidth there). Not for bfloat16: its 1-row product has the same bits as in a batch, and was the fastest
-# (14.2 against 15.1 ms at 4).
+# oneDNN's float32 product of fewer rows than this is padded with zero rows to this many (where our own float32
+# kernel does not run: a CPU without AVX-512), for two reasons. Its kernel for one row sums inputs of 1,536 or
+# more (a `small` model's down projection) in another order than its kernels for 2+ rows, so a sequence decoding
+# alone got other bits than in a batch (tests/unit/test_cpu_engine.py checks every row count from 1); with 2+
+# rows a row's result does not depend on the others. And 1-3 rows are slower than 4: all 48 projections of a
+# `small` step, one thread, on a 2-core AMD EPYC (AVX-512), 1 / 2 / 3 / 4 rows took 23.7 / 29.8 / 22.4 / 19.4 ms.
+# Not for bfloat16: its 1-row product has the same bits as in a batch, and was the fastest (14.2 against 15.1 ms
+# at 4).
 ONEDNN_FLOAT32_MIN_ROWS = 4
 
 
@@ -126,20 +126,33 @@ def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
 class Projection:
     """`x @ weight.T + bias` with the fastest kernel this CPU has for a step's few rows.
 
-    oneDNN on a weight packed once at load beats MKL's sgemm on this AMD EPYC (AVX2) wherever the step is
-    not bound by reading the weights from memory: a batch-16 decode step of the `small` preset took 77 ms
-    against 86 ms (medians of interleaved runs), a 256-token prompt chunk 411 against 554 ms; at batch 1
-    both read the weights at memory speed. It also gives a row the same bits whatever the other rows are
-    (from 2 rows on: a single float32 row is padded, ONEDNN_FLOAT32_MIN_ROWS), so a greedy sequence decodes
-    the same alone and in a full batch. `torch.ops.mkldnn._linear_pointwise`
-    is the op Inductor's CPU backend emits for linears; where oneDNN cannot pack the weight we use MKL.
+    float32 weights where our own kernel runs (cpu_engine.float32_gemm: AVX-512 and a C compiler): packed once at
+    load; at 1-4 rows it reads the weights at one core's bandwidth, oneDNN's product at about half of it, and it
+    also takes the norm before a projection, the gate's SiLU and the residual add into its row kernel
+    (`fused`), so that the layer loop and the decode step in one numba call compute the same bits.
+    Elsewhere oneDNN on a weight packed once at load, which beats MKL's sgemm on an AMD EPYC (AVX2) wherever
+    the step is not bound by reading the weights from memory: a batch-16 decode step of the `small` preset took
+    77 ms against 86 ms (medians of interleaved runs), a 256-token prompt chunk 411 against 554 ms.
+    Every kernel gives a row the same bits whatever the other rows are (oneDNN from 2 rows on: a single
+    float32 row is padded, ONEDNN_FLOAT32_MIN_ROWS), so a greedy sequence decodes the same alone and in a full
+    batch. `torch.ops.mkldnn._linear_pointwise` is the op Inductor's CPU backend emits for linears; where oneDNN
+    cannot pack the weight we use MKL.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.bias = bias
-        self.packed = _pack_for_onednn(weight)
-        self.weight = weight if self.packed is None else None  # the packed copy replaces it
+        self.gemm = float32_gemm.gemm() if weight.dtype == torch.float32 else None
+        # Our kernel's packed weight as the numba kernels take it (float32_gemm.packed_weight, fused_step)
+        self.arrays = float32_gemm.packed_weight(weight.numpy()) if self.gemm is not None else None
+        self.fusable = self.arrays is not None  # the row kernels (`fused`) run around this product
+        self.fused_bias = bias.numpy() if self.fusable and bias is not None else NO_ROW
+        self.packed = _pack_for_onednn(weight) if self.arrays is None else None
+        self.weight = weight if self.arrays is None and self.packed is None else None  # one copy only
         self.min_rows = ONEDNN_FLOAT32_MIN_ROWS if self.packed is not None and weight.dtype == torch.float32 else 0
+
+    @property
+    def kernel(self) -> str:
+        return "float32-gemm" if self.arrays is not None else "onednn" if self.packed is not None else "mkl"
 
     @property
     def uses_onednn(self) -> bool:
@@ -148,10 +161,19 @@ class Projection:
     @property
     def nbytes(self) -> int:
         """What one call reads of the weights (the packed copy where there is one) and the bias."""
-        weight = self.packed if self.packed is not None else self.weight
+        weight = self.arrays[0] if self.arrays is not None else self.packed if self.packed is not None else self.weight
         return weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
+    def fused(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False,
+              add_to: torch.Tensor | None = None) -> torch.Tensor:
+        """add_to + this projection of norm(x), or of silu(gate) x up for rows x = [gate | up] (`gated`; the SiLU
+        is row_kernels.silu), on our kernel (`fusable` only): the ops around the product in its row kernel
+        instead of PyTorch ops of their own, as Int8Projection.fused."""
+        return fused_step.project(self.gemm, self.arrays, self.fused_bias, x, norm, gated, add_to)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.arrays is not None:
+            return self.fused(x.contiguous())
         if self.packed is not None:
             rows = x.shape[0]
             if rows < self.min_rows:
@@ -216,8 +238,8 @@ class FusedLayer:
     """A decoder layer's norms and projections (the checkpoint's modules are dropped)."""
 
     def __init__(self, layer: torch.nn.Module, projections: dict[str, AnyProjection], index: int, silu: bool):
-        """`silu`: the checkpoint's activation is SiLU (hidden_act "silu" or "swish"), which the int8 row
-        kernels compute themselves."""
+        """`silu`: the checkpoint's activation is SiLU (hidden_act "silu" or "swish"), which our row kernels
+        compute themselves."""
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = RMSNorm(layer.input_layernorm)
         self.post_norm = RMSNorm(layer.post_attention_layernorm)
@@ -227,25 +249,25 @@ class FusedLayer:
         self.o_proj = projections[f"layers.{index}.o_proj"]
         self.gate_up = projections[f"layers.{index}.gate_up"]
         self.down = projections[f"layers.{index}.down"]
-        # Int8 (VNNI or FBGEMM) with float32 norms and SiLU: the norms, the gate's activation and product and the
-        # residual adds run in the projections' own row kernels (Int8Projection.fused), 7 PyTorch ops fewer a
-        # layer. Such an engine's SiLU is row_kernels' on every path (`act`, used when a layer is not fused), so
+        # Our kernels (float32 or int8: VNNI or FBGEMM) with float32 norms and SiLU: the norms, the gate's activation
+        # and product and the residual adds run in the projections' own row kernels (`fused`), 7 PyTorch ops fewer
+        # a layer. Such an engine's SiLU is row_kernels' on every path (`act`, used when a layer is not fused), so
         # fused and unfused layers compute the same bits.
-        int8 = [self.qkv, self.o_proj, self.gate_up, self.down]
-        self.fused = (silu and all(isinstance(p, Int8Projection) and p.fusable for p in int8)
+        projections = [self.qkv, self.o_proj, self.gate_up, self.down]
+        self.fused = (silu and all(p.fusable for p in projections)
                       and self.input_norm.weight_array is not None and self.post_norm.weight_array is not None)
         self.act = silu_of if self.fused else mlp.act_fn
 
     @property
     def step_arrays(self) -> tuple | None:
-        """This layer as fused_step.decode_layers takes it: on the VNNI kernel, fused, without per-head q/k
-        norms (Qwen3's, which stay PyTorch ops); else None."""
-        int8 = (self.qkv, self.o_proj, self.gate_up, self.down)
-        if not self.fused or self.q_norm is not None or any(p.vnni is None for p in int8):
+        """This layer as fused_step.decode_layers takes it: fused, every projection on one of our kernels (float32
+        or VNNI), without per-head q/k norms (Qwen3's, which stay PyTorch ops); else None."""
+        projections = (self.qkv, self.o_proj, self.gate_up, self.down)
+        if not self.fused or self.q_norm is not None or any(p.arrays is None for p in projections):
             return None
-        return (self.input_norm.weight_array, self.input_norm.eps32, self.qkv.vnni, self.qkv.fused_bias,
-                self.o_proj.vnni, self.o_proj.fused_bias, self.post_norm.weight_array, self.post_norm.eps32,
-                self.gate_up.vnni, self.gate_up.fused_bias, self.down.vnni, self.down.fused_bias)
+        return (self.input_norm.weight_array, self.input_norm.eps32, self.qkv.arrays, self.qkv.fused_bias,
+                self.o_proj.arrays, self.o_proj.fused_bias, self.post_norm.weight_array, self.post_norm.eps32,
+                self.gate_up.arrays, self.gate_up.fused_bias, self.down.arrays, self.down.fused_bias)
 
     def qkv_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """q, k and v of the residual stream's rows (before rotary)."""
@@ -339,12 +361,11 @@ class LlamaRunner:
         """Which of the runner's own ops run fused, from the projections it has now (each layer's `fused` says the
         rest): at construction, and again by whoever swaps projections (benchmarks.engine_bench runs the other
         int8 kernels side by side)."""
-        # An int8 lm_head with float32 norms takes the final norm into its row kernel, as the layers do.
-        self.fused_head = (isinstance(self.lm_head, Int8Projection) and self.lm_head.fusable
-                           and self.norm.weight_array is not None)
-        # Steps of decode rows only (short chunks included) of an int8 engine on the VNNI kernel: every layer in
-        # one numba call (cpu_engine.fused_step), each layer as its step_arrays; None where a layer cannot (the
-        # layer loop).
+        # An lm_head on our kernels with float32 norms takes the final norm into its row kernel, as the layers do.
+        self.fused_head = self.lm_head.fusable and self.norm.weight_array is not None
+        # Steps of decode rows only (short chunks included) of an engine on our float32 or VNNI kernel: every layer
+        # in one numba call (cpu_engine.fused_step), each layer as its step_arrays; None where a layer cannot (the
+        # layer loop). The decode step's kernel is its layers' (one engine: one kind of weights).
         steps = [layer.step_arrays for layer in self.layers]
         self.one_call_decode = (tuple(steps) if self.in_place_decode and all(arrays is not None for arrays in steps)
                                 else None)
@@ -405,8 +426,8 @@ class LlamaRunner:
         threads = numba.get_num_threads()
         previous = numba.set_parallel_chunksize(1) if threads > 1 else 0  # as paged_decode_attention sets it
         try:
-            return torch.from_numpy(decode_layers(
-                vnni_gemm.gemm(), hidden.numpy(), self.one_call_decode, rotary_arrays[0], rotary_arrays[1], places,
+            return torch.from_numpy(fused_step.decode_layers(
+                self.layers[0].qkv.gemm, hidden.numpy(), self.one_call_decode, rotary_arrays[0], rotary_arrays[1], places,
                 *self._pool_arrays, tables.numpy(), lengths.numpy(), self.block_size, self._scale32, threads,
                 self._attention_shape))
         finally:

@@ -13,32 +13,21 @@ FBGEMM's op on the same rows (the prototype's loop, three rounds): 1 row 2.3-2.5
 The scheme is the one the FBGEMM path uses with VNNI (cpu_engine.int8): each activation row divided by its
 largest |value| on the grid 1/127, codes round(127 x / max|x|) + 128 in 1..255, one scale per weight channel.
 The integer sums are exact and the rest is per element in a fixed order, so a row's result does not depend on
-the batch. The file is compiled with the system's C compiler (`CC`, else `cc`) into NUMBA_CACHE_DIR (where
-numba's compiled kernels also go; the package's __pycache__ when unset, else a directory of this user's own in
-the temp directory), once per source and flags, and loaded only from a file and directory that this user owns
-and no one else may write; without a compiler or without VNNI the engine keeps FBGEMM (the server log says
-which).
+the batch. cpu_engine.native compiles and loads the file; without a compiler or without VNNI the engine keeps
+FBGEMM (the server log says which).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numba
 import numpy as np
 
-from cpu_engine.row_kernels import rms_norm_row, silu
-
-log = logging.getLogger(__name__)
+from cpu_engine import native
+from cpu_engine.row_kernels import GATED, PLAIN, input_row
 
 SOURCE = Path(__file__).with_name("int8_gemm.c")
 # -ffp-contract=off: GCC would fuse the scale and the bias add into one FMA, other bits than the unfused add.
@@ -47,93 +36,14 @@ REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"
 BLOCK = 32  # output channels a packed block holds (two zmm registers of int32 sums)
 STEPS, ZERO_POINT = 127, 128  # activation codes round(127 u) + 128, u = x / max|x|
 TINY = np.float32(np.finfo(np.float32).tiny)  # a row's max |x| at least this: no 0 / 0
-# The row kernel's modes: the rows as they are, RMSNorm of them, or silu(gate) x up of rows [gate | up].
-PLAIN, NORMED, GATED = 0, 1, 2
-NO_ROW, NO_ROWS = np.empty(0, dtype=np.float32), np.empty((0, 0), dtype=np.float32)  # "none" for numba
-
-
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
-def _library_dirs() -> list[Path]:
-    configured = os.environ.get("NUMBA_CACHE_DIR")
-    return ([Path(configured)] if configured else []) + [
-        Path(__file__).with_name("__pycache__"), Path(tempfile.gettempdir()) / f"cpu_engine-kernels-{os.getuid()}"]
-
-
-def _trusted(library: Path) -> bool:
-    """Whether `library` and its directory are ours and writable by no one else: the process loads it as code,
-    so a file another user could have put there (a shared temp directory) is never loaded."""
-    for path in (library, library.parent):
-        status = path.stat()
-        if status.st_uid != os.getuid() or status.st_mode & 0o022:
-            return False
-    return True
-
-
-def _compile() -> Path:
-    """The compiled library, built once per source, flags and compiler: a process that finds it skips the
-    compiler; concurrent first starts each write their own file and rename it into place."""
-    compiler = os.environ.get("CC", "cc")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    name = f"int8_gemm-{digest}.so"
-    for directory in _library_dirs():
-        if (directory / name).is_file() and _trusted(directory / name):
-            return directory / name
-    errors = []
-    for directory in _library_dirs():
-        staging = directory / f".{name}.{os.getpid()}.tmp"
-        try:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not _trusted(directory):
-                raise PermissionError("not ours alone")
-            subprocess.run([compiler, *FLAGS, "-o", str(staging), str(SOURCE)], check=True, capture_output=True,
-                           text=True, timeout=120)
-            staging.chmod(0o755)  # whatever the umask: a library others may write would not be loaded again
-            return staging.replace(directory / name)
-        except subprocess.CalledProcessError as exc:
-            raise RuntimeError(f"{compiler} failed: {exc.stderr.strip()[-500:]}") from exc
-        except subprocess.TimeoutExpired as exc:
-            raise RuntimeError(f"{compiler} took over {exc.timeout:.0f} s") from exc
-        except FileNotFoundError as exc:
-            if exc.filename == compiler:
-                raise RuntimeError(f"no C compiler ({compiler})") from exc
-            errors.append(f"{directory}: {exc}")
-        except OSError as exc:  # not writable: the next directory
-            errors.append(f"{directory}: {exc}")
-        finally:
-            with contextlib.suppress(OSError):  # what a failed or timed-out compile left (after a rename: nothing)
-                staging.unlink(missing_ok=True)
-    raise RuntimeError("no writable directory for the compiled kernel: " + "; ".join(errors))
 
 
 @functools.cache
 def gemm() -> ctypes._CFuncPtr | None:
     """The kernel's entry point, or None where it cannot run here (the reason is logged once)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    missing = REQUIRED_CPU_FLAGS - _cpu_flags()
-    if missing:
-        log.info("int8: no VNNI GEMM on this CPU (lacks %s)", ", ".join(sorted(missing)))
-        return None
-    try:
-        function = ctypes.CDLL(str(_compile())).int8_gemm
-    except (RuntimeError, OSError) as exc:
-        log.warning("int8: the VNNI GEMM is not available (%s); FBGEMM's product is used instead", exc)
-        return None
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_void_p]
-    return function
+    return native.load(SOURCE, FLAGS, REQUIRED_CPU_FLAGS, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                                           ctypes.c_int] + [ctypes.c_void_p] * 6,
+                       "the int8 engine uses FBGEMM's product instead")
 
 
 class PackedWeight:
@@ -183,8 +93,8 @@ def _quantize_row(values, codes):  # pragma: no cover
 @numba.njit(boundscheck=False, nogil=True, cache=True)
 def project_rows(gemm, x, mode, norm_weight, eps, packed, bias, addend):  # pragma: no cover
     """addend + (rows @ dequant(weights).T + bias) for rows = x (PLAIN), RMSNorm(x) (NORMED), or silu(gate) x up
-    for x = [gate | up] (GATED; both helpers are row_kernels'): the rows quantized and the kernel called in one
-    numba call. norm_weight [k], bias [n] and addend [m, n]: NO_ROW / NO_ROWS where not used. `packed` is
+    for x = [gate | up] (GATED; row_kernels.input_row): the rows quantized and the kernel called in one numba
+    call. norm_weight [k], bias [n] and addend [m, n]: NO_ROW / NO_ROWS where not used. `packed` is
     PackedWeight.arrays."""
     weights, n, k_padded, offset, scale = packed
     m = x.shape[0]
@@ -195,13 +105,9 @@ def project_rows(gemm, x, mode, norm_weight, eps, packed, bias, addend):  # prag
     for i in range(m):
         if mode == PLAIN:
             row_scale[i] = _quantize_row(x[i], codes[i])
-            continue
-        if mode == NORMED:
-            rms_norm_row(x[i], norm_weight, eps, values)
         else:
-            for j in range(k):
-                values[j] = silu(x[i, j]) * x[i, k + j]
-        row_scale[i] = _quantize_row(values, codes[i])
+            input_row(x[i], mode, norm_weight, eps, values)
+            row_scale[i] = _quantize_row(values, codes[i])
     out = np.empty((m, n), dtype=np.float32)
     null = np.uintp(0)
     gemm(codes.ctypes.data, m, k_padded, weights.ctypes.data, n, offset.ctypes.data, scale.ctypes.data,

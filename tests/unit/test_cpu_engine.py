@@ -15,8 +15,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from build_engine.cpu_engine_builder import write_int8_weights
+from cpu_engine import float32_gemm, vnni_gemm
 from cpu_engine.config import EngineConfig
 from cpu_engine.engine import Engine, EngineFailedError
+from cpu_engine.int8 import default_kernel
 from cpu_engine import runner as runner_module
 from cpu_engine.runner import Chunk, LlamaRunner, Projection
 from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
@@ -151,36 +153,94 @@ def test_a_steps_chunks_run_as_decode_rows_only_under_the_attention_bound(
     assert torch.equal(as_rows[0], by_chunk_kernel[0])  # the decode row is the decode kernel's either way
 
 
-@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl-fallback"])
-def test_projection_matches_f_linear_at_every_batch_size(onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not onednn:
+# The float32 projection kernels (runner.Projection), each a parameter; ours skipped (with why) where it cannot run.
+FLOAT32_KERNELS = [pytest.param("float32-gemm", id="float32-gemm", marks=pytest.mark.skipif(
+    float32_gemm.gemm() is None, reason="our float32 GEMM needs AVX-512 and a C compiler")), "onednn", "mkl"]
+
+
+def use_float32_kernel(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Projections made from now on run on `kernel` (the runner picks the first that runs: ours, oneDNN, MKL)."""
+    if kernel != "float32-gemm":
+        monkeypatch.setattr(float32_gemm, "gemm", lambda: None)
+    if kernel == "mkl":
         monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("kernel", FLOAT32_KERNELS)
+def test_projection_matches_f_linear_at_every_batch_size(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    use_float32_kernel(kernel, monkeypatch)
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
     projection = Projection(weight, bias)
-    assert projection.uses_onednn is (onednn and torch.backends.mkldnn.is_available())
-    for rows in (1, 3, 16, 200):  # 200: past the fallback's small-batch kernel
+    assert projection.kernel == kernel
+    for rows in (1, 3, 16, 200):  # 200: past the MKL fallback's small-batch kernel
         x = torch.randn(rows, 64, generator=generator)
         torch.testing.assert_close(projection(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", FLOAT32_KERNELS[:2])
 @pytest.mark.parametrize("shape", [(1280, 768), (512, 1536)])
-def test_onednn_projection_gives_a_row_the_same_bits_in_any_batch(shape: tuple[int, int]) -> None:
-    """Why greedy decoding is the same alone and batched, and why we prefer oneDNN's kernel. With 1,536 inputs
-    (a `small` model's down projection) oneDNN's own 1-row kernel sums in another order than its kernels for
-    more rows: the runner pads a float32 row to ONEDNN_FLOAT32_MIN_ROWS (bfloat16 needs no padding)."""
+def test_a_projection_gives_a_row_the_same_bits_in_any_batch(shape: tuple[int, int], kernel: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why greedy decoding is the same alone and batched. Our kernel sums every output in input order whatever
+    the tile; with 1,536 inputs (a `small` model's down projection) oneDNN's own 1-row kernel sums in another
+    order than its kernels for more rows: the runner pads a float32 row to ONEDNN_FLOAT32_MIN_ROWS there
+    (bfloat16 needs no padding)."""
+    use_float32_kernel(kernel, monkeypatch)
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(*shape, generator=generator)
     projection = Projection(weight)
-    assert projection.uses_onednn  # the pinned torch CPU wheel has oneDNN; without it the engine is slower
-    assert projection.min_rows == runner_module.ONEDNN_FLOAT32_MIN_ROWS > 1
+    assert projection.kernel == kernel  # the pinned torch CPU wheel has oneDNN; without it the engine is slower
+    assert projection.min_rows == (runner_module.ONEDNN_FLOAT32_MIN_ROWS if kernel == "onednn" else 0)
     x = torch.randn(300, shape[1], generator=generator)
     alone = projection(x[:1])
     assert alone.shape == (1, shape[0]) and alone.is_contiguous()
-    for rows in (2, 3, 4, 7, 16, 32, 129, 300):
+    for rows in (2, 3, 4, 5, 7, 16, 32, 129, 300):
         assert torch.equal(projection(x[:rows])[:1], alone), rows
+        assert torch.equal(projection(x[rows - 1:rows]), projection(x[:rows])[-1:]), rows  # the last row too
     bfloat16 = Projection(weight.bfloat16())
-    assert bfloat16.min_rows == 0 or not bfloat16.uses_onednn
+    assert bfloat16.kernel != "float32-gemm" and (bfloat16.min_rows == 0 or not bfloat16.uses_onednn)
+
+
+@pytest.mark.parametrize("chunks_as_rows", [True, False], ids=["chunks-as-decode-rows", "chunk-kernel"])
+def test_an_engine_on_our_kernels_steps_the_same_bits_fused_and_unfused(checkpoint: Path, weights: Path | None,
+                                                                        chunks_as_rows: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's decode-only steps in one numba call (fused_step, on our float32 or VNNI kernel), its fused
+    layers one by one (FusedLayer.fused), and every layer unfused: the same logits, bit for bit, through prompts,
+    batched decode steps and a mixed step, so a sequence decodes the same in a decode-only step and beside
+    another's prompt; with the prompt chunks read as decode rows (then the mixed step runs in one call too) and
+    by the chunk attention kernel (the bound at 0: the mixed step runs the layer loop)."""
+    if not chunks_as_rows:
+        monkeypatch.setattr(runner_module, "ROWS_AS_DECODE_MAX_KV_BYTES", 0)
+    config = EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4,
+                          int8_weights=weights)
+    runner = LlamaRunner(config)
+    ours = float32_gemm.gemm() if weights is None else vnni_gemm.gemm()
+    assert (runner.one_call_decode is not None) == (ours is not None)
+    assert all(layer.fused for layer in runner.layers) == (ours is not None or (
+        weights is not None and default_kernel() != "weight-only"))
+
+    def steps() -> list[torch.Tensor]:
+        tables, prompt = [list(range(0, 8)), list(range(8, 16))], list(range(3, 20))
+        logits = [runner.forward(prompt, [], [], [Chunk(tables[0], 0, len(prompt))], [len(prompt) - 1]),
+                  runner.forward(prompt[:9], [], [], [Chunk(tables[1], 0, 9)], [8])]
+        for step in range(4):
+            logits.append(runner.forward([5, 7], tables, [len(prompt) + step, 9 + step], [], [0, 1]))
+        # a decode row beside another sequence's chunk (a mixed step), then alone
+        logits.append(runner.forward([6, 8, 9, 10], tables[:1], [len(prompt) + 4], [Chunk(tables[1], 13, 3)],
+                                     [0, 3]))
+        logits.append(runner.forward([6], tables[:1], [len(prompt) + 4], [], [0]))
+        return logits
+
+    one_call = steps()
+    assert torch.equal(one_call[-1][0], one_call[-2][0])  # the same row, beside a chunk and alone
+    runner.one_call_decode = None
+    layer_by_layer = steps()
+    for layer in runner.layers:
+        layer.fused = False
+    for a, b, c in zip(one_call, layer_by_layer, steps(), strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
 
 
 def test_greedy_alone_equals_greedy_in_a_full_batch(checkpoint: Path, weights: Path | None) -> None:
@@ -733,24 +793,28 @@ def test_long_context_decode_attention_uses_the_core_left_to_the_stack(
         checkpoint: Path, monkeypatch: pytest.MonkeyPatch, min_kv_bytes: int, wide: bool) -> None:
     """cpu_num_threads 0 on 2 cores: the step runs on one thread, but decode attention that reads at least
     WIDE_ATTENTION_MIN_KV_BYTES of K/V a layer runs on both cores (as many as numba's team has), and the
-    thread's setting is back to one for everything after it."""
+    thread's setting is back to one for everything after it. Attention runs in the layer loop or, in a step of
+    decode rows that is not wide, inside the decode step's one numba call (fused_step): both recorded."""
     import numba
 
     import cpu_engine.runner as runner_module
+    from cpu_engine import fused_step
 
     in_attention, at_forward = [], []
-    real_attention = runner_module.paged_decode_attention
 
-    def recording_attention(*args, **kwargs):
-        in_attention.append(numba.get_num_threads())
-        return real_attention(*args, **kwargs)
+    def recording(real):
+        def call(*args, **kwargs):
+            in_attention.append(numba.get_num_threads())
+            return real(*args, **kwargs)
+        return call
 
     class RecordingRunner(LlamaRunner):
         def forward(self, *args, **kwargs):
             at_forward.append(numba.get_num_threads())
             return super().forward(*args, **kwargs)
 
-    monkeypatch.setattr(runner_module, "paged_decode_attention", recording_attention)
+    monkeypatch.setattr(runner_module, "paged_decode_attention", recording(runner_module.paged_decode_attention))
+    monkeypatch.setattr(fused_step, "decode_layers", recording(fused_step.decode_layers))
     monkeypatch.setattr(runner_module, "WIDE_ATTENTION_MIN_KV_BYTES", min_kv_bytes)
     with engine_on_cores(checkpoint, monkeypatch, 2, RecordingRunner, 4) as engine:
         both = min(2, numba.config.NUMBA_NUM_THREADS)  # numba's team cannot grow past NUMBA_NUM_THREADS

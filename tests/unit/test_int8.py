@@ -18,7 +18,6 @@ from cpu_engine.int8 import (HAS_FBGEMM, KERNELS, NARROW_STEPS, RESIDUAL_GAIN, W
                              default_kernel, load_int8_weights, quantize_per_channel, save_int8_weights,
                              wide_activations)
 from cpu_engine.row_kernels import RMSNorm, silu_of
-from cpu_engine import runner as runner_module
 from cpu_engine.runner import Chunk, LlamaRunner, fused_projections
 from tests.unit.test_cpu_engine import VOCAB, checkpoint, int8_weights  # noqa: F401
 
@@ -137,45 +136,6 @@ def test_the_fused_projection_is_the_same_bits_as_its_ops_one_by_one(kernel: str
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(plain.fused(gate_up, gated=True), plain(silu_of(gate) * up))
     assert torch.equal(plain.fused(x), plain(x)) and not torch.equal(projection(x), plain(x))  # the bias counts
-
-
-@pytest.mark.parametrize("chunks_as_rows", [True, False], ids=["chunks-as-decode-rows", "chunk-kernel"])
-def test_an_int8_engine_steps_the_same_bits_fused_and_unfused(checkpoint: Path, int8_weights: Path,
-                                                              chunks_as_rows: bool,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runner's decode-only steps in one numba call (fused_step, on the VNNI kernel), its fused int8 layers
-    one by one (FusedLayer.fused), and every layer unfused: the same logits, bit for bit, through prompts,
-    batched decode steps and a mixed step, so a sequence decodes the same in a decode-only step and beside
-    another's prompt; with the prompt chunks read as decode rows (then the mixed step runs in one call too) and
-    by the chunk attention kernel (the bound at 0: the mixed step runs the layer loop)."""
-    if not chunks_as_rows:
-        monkeypatch.setattr(runner_module, "ROWS_AS_DECODE_MAX_KV_BYTES", 0)
-    config = EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4,
-                          int8_weights=int8_weights)
-    runner = LlamaRunner(config)
-    assert all(layer.fused for layer in runner.layers) == (default_kernel() != "weight-only")
-    assert (runner.one_call_decode is not None) == (default_kernel() == "vnni")
-
-    def steps() -> list[torch.Tensor]:
-        tables, prompt = [list(range(0, 8)), list(range(8, 16))], list(range(3, 20))
-        logits = [runner.forward(prompt, [], [], [Chunk(tables[0], 0, len(prompt))], [len(prompt) - 1]),
-                  runner.forward(prompt[:9], [], [], [Chunk(tables[1], 0, 9)], [8])]
-        for step in range(4):
-            logits.append(runner.forward([5, 7], tables, [len(prompt) + step, 9 + step], [], [0, 1]))
-        # a decode row beside another sequence's chunk (a mixed step), then alone
-        logits.append(runner.forward([6, 8, 9, 10], tables[:1], [len(prompt) + 4], [Chunk(tables[1], 13, 3)],
-                                     [0, 3]))
-        logits.append(runner.forward([6], tables[:1], [len(prompt) + 4], [], [0]))
-        return logits
-
-    one_call = steps()
-    assert torch.equal(one_call[-1][0], one_call[-2][0])  # the same row, beside a chunk and alone
-    runner.one_call_decode = None
-    layer_by_layer = steps()
-    for layer in runner.layers:
-        layer.fused = False
-    for a, b, c in zip(one_call, layer_by_layer, steps(), strict=True):
-        assert torch.equal(a, b) and torch.equal(b, c)
 
 
 @pytest.mark.parametrize("kernel", each_kernel(*KERNELS))

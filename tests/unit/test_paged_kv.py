@@ -220,6 +220,8 @@ def test_in_place_decode_and_the_gather_path_give_the_same_logits(checkpoint: Pa
     positions = [len(p) for p in prompts]
     in_place = runner.forward([3, 4, 5], tables, positions, [], [0, 1, 2])
     runner.in_place_decode = False
+    runner.plan_fused_ops()  # no decode step in one call either: it reads the pool in place
+    assert runner.one_call_decode is None
     gathered = runner.forward([3, 4, 5], tables, positions, [], [0, 1, 2])
     torch.testing.assert_close(in_place, gathered, atol=1e-4, rtol=1e-4)
 

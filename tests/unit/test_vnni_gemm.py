@@ -1,19 +1,13 @@
 """Our int8 GEMM for AVX-512 VNNI (cpu_engine/int8_gemm.c through cpu_engine.vnni_gemm): the integer sums
-against numpy's, every tile and edge of the packed layout, and how the library is built and found."""
+against numpy's, every tile and edge of the packed layout (tests/unit/test_native.py: how it is built and found)."""
 
 from __future__ import annotations
 
-import platform
-import shutil
-from pathlib import Path
-
 import numpy as np
 import pytest
-import torch
 
 from cpu_engine import vnni_gemm
-from cpu_engine.int8 import Int8Projection, default_kernel
-from cpu_engine.row_kernels import rms_norm_rows, silu_rows
+from cpu_engine.row_kernels import GATED, NO_ROW, NO_ROWS, NORMED, PLAIN, rms_norm_rows, silu_rows
 
 needs_vnni = pytest.mark.skipif(vnni_gemm.gemm() is None, reason="needs AVX-512 VNNI and a C compiler")
 EPS = np.float32(1e-5)
@@ -32,8 +26,8 @@ def expected(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return (sums * scale) * row_scale
 
 
-def project(packed: vnni_gemm.PackedWeight, x: np.ndarray, bias=vnni_gemm.NO_ROW, addend=vnni_gemm.NO_ROWS,
-            mode: int = vnni_gemm.PLAIN, norm_weight=vnni_gemm.NO_ROW) -> np.ndarray:
+def project(packed: vnni_gemm.PackedWeight, x: np.ndarray, bias=NO_ROW, addend=NO_ROWS, mode: int = PLAIN,
+            norm_weight=NO_ROW) -> np.ndarray:
     return vnni_gemm.project_rows(vnni_gemm.gemm(), x, mode, norm_weight, EPS, packed.arrays, bias, addend)
 
 
@@ -74,10 +68,10 @@ def test_the_norm_and_the_gated_product_are_quantized_as_if_computed_first() -> 
     scale = np.full(48, 0.01, dtype=np.float32)
     packed = vnni_gemm.PackedWeight(q, scale)
     x, weight = rng.standard_normal((3, 32)).astype(np.float32), rng.standard_normal(32).astype(np.float32)
-    assert np.array_equal(project(packed, x, mode=vnni_gemm.NORMED, norm_weight=weight),
+    assert np.array_equal(project(packed, x, mode=NORMED, norm_weight=weight),
                           project(packed, rms_norm_rows(x, weight, EPS)))
     gate_up = rng.standard_normal((3, 64)).astype(np.float32)
-    assert np.array_equal(project(packed, gate_up, mode=vnni_gemm.GATED),
+    assert np.array_equal(project(packed, gate_up, mode=GATED),
                           project(packed, silu_rows(gate_up[:, :32]) * gate_up[:, 32:]))
 
 
@@ -88,45 +82,3 @@ def test_the_largest_codes_against_the_largest_weights_do_not_overflow() -> None
     q[1::2] = -127
     out = project(vnni_gemm.PackedWeight(q, np.ones(32, np.float32)), np.ones((1, k), np.float32))
     assert np.array_equal(out[0], np.where(np.arange(32) % 2, -127.0 * k, 127.0 * k).astype(np.float32))
-
-
-@pytest.mark.skipif(shutil.which("cc") is None or platform.machine() not in ("x86_64", "AMD64"),
-                    reason="needs a C compiler for x86 (the flags are AVX-512's)")
-def test_the_library_is_built_once_and_found_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vnni_gemm, "_library_dirs", lambda: [tmp_path / "read-only", tmp_path / "cache"])
-    (tmp_path / "read-only").write_text("a file, not a directory")
-    library = vnni_gemm._compile()
-    assert library.parent == tmp_path / "cache" and library.is_file()
-    assert not list(library.parent.glob(".*.tmp"))  # built under a staging name, renamed into place
-    built = library.stat().st_mtime_ns
-    assert vnni_gemm._compile() == library and library.stat().st_mtime_ns == built  # found, not built again
-    library.chmod(0o666)  # a file others may write is never loaded: built again, in its place
-    assert vnni_gemm._compile() == library and library.stat().st_mode & 0o022 == 0
-
-
-def test_a_failed_compile_is_an_error_that_leaves_nothing_behind(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    compiler = tmp_path / "half-a-compiler"  # writes part of its output, then fails
-    compiler.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho half > "$2"\nexit 1\n')
-    compiler.chmod(0o755)
-    monkeypatch.setattr(vnni_gemm, "_library_dirs", lambda: [tmp_path / "cache"])
-    monkeypatch.setenv("CC", str(compiler))
-    with pytest.raises(RuntimeError, match="failed"):
-        vnni_gemm._compile()
-    assert not list((tmp_path / "cache").iterdir())
-
-
-def test_without_a_compiler_the_engine_keeps_fbgemm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vnni_gemm, "_library_dirs", lambda: [tmp_path])
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))  # another compiler: another name, none built
-    with pytest.raises(RuntimeError, match="no C compiler"):
-        vnni_gemm._compile()
-    vnni_gemm.gemm.cache_clear()
-    try:
-        assert vnni_gemm.gemm() is None
-        assert default_kernel() in ("fbgemm", "fbgemm-residual", "weight-only")
-        with pytest.raises(ValueError, match="cannot run on this machine"):
-            Int8Projection(torch.zeros(32, 8, dtype=torch.int8), torch.ones(32), kernel="vnni")
-    finally:
-        monkeypatch.undo()
-        vnni_gemm.gemm.cache_clear()

@@ -1,0 +1,108 @@
+"""Our C kernels (cpu_engine/int8_gemm.c, cpu_engine/float32_gemm.c): compiled on first use, found again, and
+loaded only where no one else could have put them.
+
+Each file is compiled with the system's C compiler (`CC`, else `cc`) into NUMBA_CACHE_DIR (where numba's
+compiled kernels also go; the package's __pycache__ when unset, else a directory of this user's own in the temp
+directory), once per source, flags and compiler, and loaded only from a file and directory that this user owns
+and no one else may write. Without a compiler, or on a CPU without the instructions a kernel needs, `load` says
+why in the server log and returns None: the engine keeps PyTorch's kernels there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def library_dirs() -> list[Path]:
+    configured = os.environ.get("NUMBA_CACHE_DIR")
+    return ([Path(configured)] if configured else []) + [
+        Path(__file__).with_name("__pycache__"), Path(tempfile.gettempdir()) / f"cpu_engine-kernels-{os.getuid()}"]
+
+
+def _trusted(library: Path) -> bool:
+    """Whether `library` and its directory are ours and writable by no one else: the process loads it as code,
+    so a file another user could have put there (a shared temp directory) is never loaded."""
+    for path in (library, library.parent):
+        status = path.stat()
+        if status.st_uid != os.getuid() or status.st_mode & 0o022:
+            return False
+    return True
+
+
+def compile_library(source: Path, flags: tuple[str, ...]) -> Path:
+    """The compiled library, built once per source, flags and compiler: a process that finds it skips the
+    compiler; concurrent first starts each write their own file and rename it into place."""
+    compiler = os.environ.get("CC", "cc")
+    digest = hashlib.sha256(source.read_bytes() + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
+    name = f"{source.stem}-{digest}.so"
+    for directory in library_dirs():
+        if (directory / name).is_file() and _trusted(directory / name):
+            return directory / name
+    errors = []
+    for directory in library_dirs():
+        staging = directory / f".{name}.{os.getpid()}.tmp"
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _trusted(directory):
+                raise PermissionError("not ours alone")
+            subprocess.run([compiler, *flags, "-o", str(staging), str(source)], check=True, capture_output=True,
+                           text=True, timeout=120)
+            staging.chmod(0o755)  # whatever the umask: a library others may write would not be loaded again
+            return staging.replace(directory / name)
+        except subprocess.CalledProcessError as exc:
+            raise RuntimeError(f"{compiler} failed: {exc.stderr.strip()[-500:]}") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"{compiler} took over {exc.timeout:.0f} s") from exc
+        except FileNotFoundError as exc:
+            if exc.filename == compiler:
+                raise RuntimeError(f"no C compiler ({compiler})") from exc
+            errors.append(f"{directory}: {exc}")
+        except OSError as exc:  # not writable: the next directory
+            errors.append(f"{directory}: {exc}")
+        finally:
+            with contextlib.suppress(OSError):  # what a failed or timed-out compile left (after a rename: nothing)
+                staging.unlink(missing_ok=True)
+    raise RuntimeError("no writable directory for the compiled kernel: " + "; ".join(errors))
+
+
+def load(source: Path, flags: tuple[str, ...], required_cpu_flags: frozenset[str], argtypes: list,
+         fallback: str) -> ctypes._CFuncPtr | None:
+    """The kernel's entry point (the function named as the source file), or None where it cannot run here: not
+    x86, a CPU without `required_cpu_flags`, or no compiler (the reason is logged with `fallback`, what runs
+    instead)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    missing = required_cpu_flags - cpu_flags()
+    if missing:
+        log.info("%s: not on this CPU (lacks %s); %s", source.name, ", ".join(sorted(missing)), fallback)
+        return None
+    try:
+        function = getattr(ctypes.CDLL(str(compile_library(source, flags))), source.stem)
+    except (RuntimeError, OSError) as exc:
+        log.warning("%s is not available (%s); %s", source.name, exc, fallback)
+        return None
+    function.restype = None
+    function.argtypes = argtypes
+    return function
