@@ -24,7 +24,8 @@ d. concurrency 64 on an engine of 64 slots whose KV cache holds 32 full-length s
    (`--max-batch-size 64 --kv-cache-tokens 32 x max_seq_len`, built into ENGINE_DIR-c64 once), with the
    engine's metrics (running, waiting, KV blocks, prefix-cache hits) sampled from Triton's metrics port.
 w. no server: the engine's checkpoint as float32 (the reference), int8 weights (`--weights int8`,
-   quantized here unless the engine already is) and bfloat16 compute (`cpu_dtype`): top-1 agreement and
+   quantized here unless the engine already is) and bfloat16 compute (`cpu_dtype`), each beside the kernels
+   this CPU ran before the one it runs now (float32: oneDNN's product; int8: FBGEMM's): top-1 agreement and
    max logit error against float32 over a fixed token set, then plain decode steps at batch 1 and 16,
    wall and CPU ms per step, medians of interleaved rounds.
 l. no server: plain decode steps at batch 1 and 16 from contexts 32, 128, 1,024 and 4,096 (a runner whose
@@ -51,6 +52,7 @@ import statistics
 import tempfile
 import time
 import traceback
+import unittest.mock
 from pathlib import Path
 from typing import Awaitable, Callable, Iterator
 
@@ -63,6 +65,7 @@ from benchmarks import engine_scenarios as scenarios
 from benchmarks import servers
 from benchmarks.loadgen import DEFAULT_PROMPTS, TritonTarget, percentile, run_level
 from build_engine.cpu_engine_builder import write_int8_weights
+from cpu_engine import float32_gemm
 from cpu_engine.config import EngineConfig
 from cpu_engine.int8 import Int8Projection, load_int8_weights
 from cpu_engine.runner import Chunk, LlamaRunner
@@ -389,6 +392,9 @@ def run_weights(engine_dir: Path, quick: bool) -> dict:
         for kernel in before:
             runners[f"int8_{kernel.replace('-', '_')}"] = int8_on(
                 kernel, LlamaRunner(dataclasses.replace(base, int8_weights=int8_file)), int8_file)
+        if runners["float32"].lm_head.kernel == "float32-gemm":  # and oneDNN's product, which it replaced
+            with unittest.mock.patch.object(float32_gemm, "gemm", lambda: None):
+                runners["float32_onednn"] = LlamaRunner(dataclasses.replace(base, int8_weights=None))
     tokens = scenarios.quality_tokens(runners["float32"].vocab_size, min(QUALITY_TOKENS, base.max_seq_len))
     reference = scenarios.logits_over(runners["float32"], tokens)
     quality = {name: scenarios.compare_logits(reference, scenarios.logits_over(runner, tokens))

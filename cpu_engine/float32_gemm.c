@@ -2,8 +2,9 @@
  *
  * cpu_engine/float32_gemm.py compiles this file on first use and documents why. In short: the weights [n, k]
  * are packed in blocks of 16 output channels, each block [k][16] (one zmm register an input), so that a block
- * is one sequential read. A tile is up to 4 rows x 32 channels (8 sums): each weight register is loaded once
- * for 4 rows, each row's input is broadcast once for 2 registers.
+ * is one sequential read. A tile is up to 6 rows x 64 channels (24 sums; with 4 weight registers and a
+ * broadcast, 29 of the 32 zmm registers): each weight register is loaded once for 6 rows, each row's input is
+ * broadcast once for 4 registers.
  *
  *   out[r][c] = addend[r][c] + (sum_j x[r][j] w[c][j] + bias[c])
  *
@@ -12,16 +13,19 @@
  */
 #include <immintrin.h>
 
+#define ROWS 6    /* a tile's rows */
+#define BLOCKS 4  /* a tile's blocks of 16 channels */
+
 static inline __attribute__((always_inline)) void tile(
     int rows, int blocks, const float *x, int k, const float *weights, const float *bias, const float *addend,
     float *out, int n, int channels)
 {
-    __m512 sums[4][2];
+    __m512 sums[ROWS][BLOCKS];
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < blocks; b++)
             sums[r][b] = _mm512_setzero_ps();
     for (int j = 0; j < k; j++) {
-        __m512 w[2];
+        __m512 w[BLOCKS];
         for (int b = 0; b < blocks; b++)
             w[b] = _mm512_loadu_ps(weights + (long)b * k * 16 + 16L * j);
         for (int r = 0; r < rows; r++) {
@@ -46,20 +50,23 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-/* Up to 4 rows at a time over `blocks` (1 or 2) blocks: `rows` a constant in each call, so each tile unrolls. */
+/* Up to ROWS rows at a time over `blocks` (1 to BLOCKS) blocks: `rows` and `blocks` constants in each call, so
+ * each tile unrolls into registers. */
 static inline __attribute__((always_inline)) void rows_of(
     int m, int blocks, const float *x, int k, const float *weights, const float *bias, const float *addend,
     float *out, int n, int channels)
 {
-    for (int r = 0; r < m; r += 4) {
+    for (int r = 0; r < m; r += ROWS) {
         const float *rows = x + (long)r * k;
         const float *a = addend ? addend + (long)r * n : 0;
         float *o = out + (long)r * n;
-        switch (m - r < 4 ? m - r : 4) {
+        switch (m - r < ROWS ? m - r : ROWS) {
         case 1: tile(1, blocks, rows, k, weights, bias, a, o, n, channels); break;
         case 2: tile(2, blocks, rows, k, weights, bias, a, o, n, channels); break;
         case 3: tile(3, blocks, rows, k, weights, bias, a, o, n, channels); break;
-        default: tile(4, blocks, rows, k, weights, bias, a, o, n, channels); break;
+        case 4: tile(4, blocks, rows, k, weights, bias, a, o, n, channels); break;
+        case 5: tile(5, blocks, rows, k, weights, bias, a, o, n, channels); break;
+        default: tile(ROWS, blocks, rows, k, weights, bias, a, o, n, channels); break;
         }
     }
 }
@@ -69,11 +76,15 @@ static inline __attribute__((always_inline)) void rows_of(
 void float32_gemm(const float *x, int m, int k, const float *weights, int n, const float *bias,
                   const float *addend, float *out)
 {
-    int blocks = (n + 15) / 16, b = 0;
-    for (; b + 2 <= blocks; b += 2)
-        rows_of(m, 2, x, k, weights + (long)b * k * 16, bias ? bias + 16 * b : 0, addend ? addend + 16 * b : 0,
-                out + 16 * b, n, n - 16 * b);
-    if (b < blocks)
-        rows_of(m, 1, x, k, weights + (long)b * k * 16, bias ? bias + 16 * b : 0, addend ? addend + 16 * b : 0,
-                out + 16 * b, n, n - 16 * b);
+    int blocks = (n + 15) / 16;
+    for (int b = 0; b < blocks; b += BLOCKS) {
+        const float *w = weights + (long)b * k * 16, *bb = bias ? bias + 16 * b : 0, *a = addend ? addend + 16 * b : 0;
+        float *o = out + 16 * b;
+        switch (blocks - b < BLOCKS ? blocks - b : BLOCKS) {
+        case 1: rows_of(m, 1, x, k, w, bb, a, o, n, n - 16 * b); break;
+        case 2: rows_of(m, 2, x, k, w, bb, a, o, n, n - 16 * b); break;
+        case 3: rows_of(m, 3, x, k, w, bb, a, o, n, n - 16 * b); break;
+        default: rows_of(m, BLOCKS, x, k, w, bb, a, o, n, n - 16 * b); break;
+        }
+    }
 }

@@ -32,16 +32,17 @@ def project(weight: np.ndarray, x: np.ndarray, bias=NO_ROW, addend=NO_ROWS, mode
 
 
 @needs_kernel
-@pytest.mark.parametrize("n, k", [(64, 64), (48, 64), (16, 8), (100, 70), (17, 4), (1, 3), (130, 1537)],
+@pytest.mark.parametrize("n, k", [(64, 64), (48, 64), (32, 8), (16, 8), (100, 70), (17, 4), (1, 3), (130, 1537)],
                          ids=lambda v: str(v))
 def test_each_output_is_one_chain_of_multiply_adds_for_every_tile_and_edge(n: int, k: int) -> None:
-    # n: whole 32-channel tiles, a lone 16-channel block, partial blocks (masked stores); k any length.
+    # n: a whole 64-channel tile, tiles of 3, 2 and 1 blocks of 16 channels, partial blocks (masked stores), 4 + 3
+    # and 4 + 4 + 1 blocks; k any length.
     rng = np.random.default_rng(n * 10_000 + k)
     weight = rng.standard_normal((n, k)).astype(np.float32)
-    x = rng.standard_normal((9, k)).astype(np.float32)  # 9 rows: tiles of 4, 4 and 1
+    x = rng.standard_normal((13, k)).astype(np.float32)  # 13 rows: tiles of 6, 6 and 1
     out = project(weight, x)
-    assert out.shape == (9, n) and np.array_equal(out, fused_multiply_adds(x, weight))
-    for rows in (1, 2, 3, 5):  # a row's bits do not depend on the batch or its place in it
+    assert out.shape == (13, n) and np.array_equal(out, fused_multiply_adds(x, weight))
+    for rows in (1, 2, 3, 4, 5, 7):  # a row's bits do not depend on the batch or its place in it
         assert np.array_equal(project(weight, x[-rows:]), out[-rows:])
 
 
