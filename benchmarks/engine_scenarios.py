@@ -407,8 +407,8 @@ def compare_logits(reference: torch.Tensor, other: torch.Tensor) -> dict[str, fl
 @contextlib.contextmanager
 def attention_timer() -> Iterator[dict[str, float]]:
     """While open, every in-place decode-attention call of a runner (cpu_engine.runner's
-    `paged_decode_attention`; a bfloat16 runner gathers instead and makes none, and an int8 runner on the VNNI
-    kernel attends inside its one-call decode-only steps, cpu_engine.fused_step, untimed) is timed: yields running
+    `paged_decode_attention`; a bfloat16 runner gathers instead and makes none, and a runner on our float32 or
+    VNNI kernel attends inside its one-call decode-only steps, cpu_engine.fused_step, untimed) is timed: yields running
     totals {"calls", "seconds", "bytes"}, bytes being the K and V rows the calls read (sum of the rows'
     lengths x 2 x kv_heads x head_dim x element size)."""
     import cpu_engine.runner as runner_module

@@ -166,8 +166,7 @@ class Engine:
         runner = self.scheduler.runner
         wide = (f"; decode attention over long contexts on {runner.wide_attention_threads} threads"
                 if runner.wide_attention_threads else "")
-        kernel = getattr(runner.lm_head, "description", None)  # int8 weights: which kernel and activations
-        weights = f"{runner.weights} weights" + (f" ({kernel})" if kernel else "")
+        weights = f"{runner.weights} weights ({runner.lm_head.description})"  # which kernel (int8: and activations)
         return (f"CPU engine: {runner.dtype_name} compute, {weights}; {threads} threads{choice}{wide}; "
                 f"plain decode step by batch size {{{steps}}}")
 

@@ -71,7 +71,6 @@ WIDE_STEPS, WIDE_ZERO_POINT = 127, 128
 NARROW_STEPS, NARROW_ZERO_POINT = 64, 64  # a power of two: u x 64 is exact, so our rounding and the kernel's agree
 RESIDUAL_GAIN = 2 * NARROW_STEPS
 _TINY = vnni_gemm.TINY
-_NO_BIAS, _NO_ROWS = NO_ROW, NO_ROWS  # the row kernels' "none" (empty float32 arrays)
 # The op's one overload, resolved once, and its C++ entry point (`_op`): through the overload packet each call
 # first searches its arguments for script objects (the packed weight is one), ~4 us a call, and the overload's
 # Python __call__ then checks them for torch.compile's fake script objects, ~1.1 us more (8.6 against 9.8 us
@@ -242,7 +241,7 @@ class Int8Projection:
         self.wide = self.kernel != "fbgemm-residual"  # 8-bit activation rows (the FBGEMM kernels: see above)
         # The row kernels add a float32 bias (`fused_bias`, an empty array: none); any other is added as a tensor.
         bias_in_join = self.fusable and bias is not None and bias.dtype == torch.float32
-        self.fused_bias = bias.numpy() if bias_in_join else _NO_BIAS
+        self.fused_bias = bias.numpy() if bias_in_join else NO_ROW
         self._bias_after = None if bias_in_join else bias
         self.steps, self.zero_point = ((WIDE_STEPS, WIDE_ZERO_POINT) if self.wide
                                        else (NARROW_STEPS, NARROW_ZERO_POINT))
@@ -278,7 +277,7 @@ class Int8Projection:
         if self.arrays is not None:
             return fused_step.project(self.gemm, self.arrays, self.fused_bias, x, norm, gated, add_to)
         rows = x.numpy()
-        addend = _NO_ROWS if add_to is None else add_to.numpy()
+        addend = NO_ROWS if add_to is None else add_to.numpy()
         residual = not self.wide
         if norm is not None:
             pictures, row_max = _norm_split_rows(rows, norm.weight_array, norm.eps32, residual)

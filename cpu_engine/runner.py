@@ -155,13 +155,21 @@ class Projection:
         return "float32-gemm" if self.arrays is not None else "onednn" if self.packed is not None else "mkl"
 
     @property
+    def description(self) -> str:
+        """Which kernel, for the server log."""
+        return {"float32-gemm": "our float32 GEMM (cpu_engine/float32_gemm.c)", "onednn": "oneDNN",
+                "mkl": "MKL"}[self.kernel]
+
+    @property
     def uses_onednn(self) -> bool:
         return self.packed is not None
 
     @property
     def nbytes(self) -> int:
         """What one call reads of the weights (the packed copy where there is one) and the bias."""
-        weight = self.arrays[0] if self.arrays is not None else self.packed if self.packed is not None else self.weight
+        weight = self.packed if self.packed is not None else self.weight
+        if self.arrays is not None:
+            weight = self.arrays[0]
         return weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def fused(self, x: torch.Tensor, norm: RMSNorm | None = None, gated: bool = False,
@@ -427,8 +435,8 @@ class LlamaRunner:
         previous = numba.set_parallel_chunksize(1) if threads > 1 else 0  # as paged_decode_attention sets it
         try:
             return torch.from_numpy(fused_step.decode_layers(
-                self.layers[0].qkv.gemm, hidden.numpy(), self.one_call_decode, rotary_arrays[0], rotary_arrays[1], places,
-                *self._pool_arrays, tables.numpy(), lengths.numpy(), self.block_size, self._scale32, threads,
+                self.layers[0].qkv.gemm, hidden.numpy(), self.one_call_decode, rotary_arrays[0], rotary_arrays[1],
+                places, *self._pool_arrays, tables.numpy(), lengths.numpy(), self.block_size, self._scale32, threads,
                 self._attention_shape))
         finally:
             if threads > 1:

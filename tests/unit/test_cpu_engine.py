@@ -172,7 +172,7 @@ def test_projection_matches_f_linear_at_every_batch_size(kernel: str, monkeypatc
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
     projection = Projection(weight, bias)
-    assert projection.kernel == kernel
+    assert projection.kernel == kernel and projection.description  # the server log names it
     for rows in (1, 3, 16, 200):  # 200: past the MKL fallback's small-batch kernel
         x = torch.randn(rows, 64, generator=generator)
         torch.testing.assert_close(projection(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
