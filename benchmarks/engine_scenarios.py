@@ -302,8 +302,8 @@ def _tensor_bytes(tensor: torch.Tensor | None) -> int:
 
 
 def runner_weight_bytes(runner: Any) -> dict[str, int]:
-    """What one decode step reads of the runner's weights: every projection (its `nbytes`: the oneDNN-packed
-    copy where there is one, else the weight, int8 with its scales for an int8 engine; biases too) in every
+    """What one decode step reads of the runner's weights: every projection (its `nbytes`: the packed copy its
+    kernel reads, ours or oneDNN's, else the weight, int8 with its scales for an int8 engine; biases too) in every
     layer, the norms, and the LM head. The embedding is not counted: a step gathers only its tokens' rows."""
     def projection(p: Any) -> int:
         return p.nbytes
