@@ -32,6 +32,7 @@ from typing import Callable
 import numba
 import torch
 
+from cpu_engine import native
 from cpu_engine.config import EngineConfig
 from cpu_engine.runner import LlamaRunner
 from cpu_engine.scheduler import EngineStats, GenerationRequest, RequestError, Scheduler, send_error_safely
@@ -45,6 +46,9 @@ PARALLEL_MIN_STEP_S = 0.010
 # cpu_num_threads 0: cores left to the rest of the stack (the frontend, tritonserver, this stub's response and
 # poll threads), which work on every token beside the forward pass (choose_threads).
 SERVING_CORES = 1
+# cpu_num_threads 0: our kernels' products of at most this many rows (decode steps of a few sequences: the weights
+# read from memory) may run on every core (choose_few_rows_threads).
+FEW_ROWS = 4
 
 
 class EngineFailedError(RequestError):
@@ -95,6 +99,20 @@ def choose_threads(scheduler: Scheduler, cores: int) -> tuple[int, str]:
                                      f"{SERVING_CORES} of {cores} cores left to the rest of the stack")
 
 
+def choose_few_rows_threads(scheduler: Scheduler, cores: int, threads: int) -> int:
+    """With cpu_num_threads 0: the threads for our kernels' products of at most FEW_ROWS rows (native.set_threads):
+    every core where a plain batch-1 decode step takes at least PARALLEL_MIN_STEP_S on `threads`, else `threads`.
+
+    A product of a few rows is its weights read from memory, and one core reads slower than two (native.set_threads);
+    the second thread meets the rest of the stack on its core, which the step then waits for. Where the step
+    is long that pays: float32 `small` (13 ms a batch-1 step on one thread, 10.2 on two) served 73 against 68
+    tok/s at one stream. Where it is short it does not: int8 `small` (~4 ms a step, 3.3 on two threads) served
+    186 against 206 (`benchmarks.overhead_bench --concurrency 1`, 4 interleaved rounds each, 2-core AMD EPYC)."""
+    if cores <= threads or scheduler.plain_step_s(batch=1) < PARALLEL_MIN_STEP_S:
+        return threads
+    return cores
+
+
 class Engine:
     def __init__(self, scheduler: Scheduler | Callable[[], Scheduler],
                  cancelled: Callable[[list[GenerationRequest]], list[bool]] | None = None,
@@ -135,6 +153,7 @@ class Engine:
         self._build_error: BaseException | None = None
         self.threads = 0  # the threads the loop thread's parallel ops run on (from_config; 0: not set here)
         self.thread_choice = ""  # why, when the engine chose them (cpu_num_threads 0)
+        self.few_rows_threads = 0  # the threads our kernels' products of at most FEW_ROWS rows run on (from_config)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: object) -> "Engine":
@@ -151,6 +170,10 @@ class Engine:
                 wide = min(cores, numba.config.NUMBA_NUM_THREADS)  # long-context attention: every core
                 if wide > engine.threads:
                     runner.wide_attention_threads = wide
+            engine.few_rows_threads = cores
+            if config.num_threads <= 0:
+                engine.few_rows_threads = choose_few_rows_threads(scheduler, cores, engine.threads)
+            native.set_threads(engine.few_rows_threads, FEW_ROWS, engine.threads)
             scheduler.calibrate()
             return scheduler
 
@@ -167,6 +190,8 @@ class Engine:
         wide = (f"; decode attention over long contexts on {runner.wide_attention_threads} threads"
                 if runner.wide_attention_threads else "")
         weights = f"{runner.weights} weights ({runner.lm_head.description})"  # which kernel (int8: and activations)
+        if runner.lm_head.gemm is not None and self.few_rows_threads > threads:
+            weights += f", its products of up to {FEW_ROWS} rows on {self.few_rows_threads} threads"
         return (f"CPU engine: {runner.dtype_name} compute, {weights}; {threads} threads{choice}{wide}; "
                 f"plain decode step by batch size {{{steps}}}")
 

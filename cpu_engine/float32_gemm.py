@@ -27,11 +27,11 @@ import numba
 import numpy as np
 
 from cpu_engine import native
-from cpu_engine.row_kernels import GATED, PLAIN, input_row
+from cpu_engine.row_kernels import GATED, PLAIN, input_row, keep_alive
 
 SOURCE = Path(__file__).with_name("float32_gemm.c")
 # -ffp-contract=off: GCC would fuse the bias add into the last multiply-add, other bits than the unfused add.
-FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-fPIC", "-shared")
+FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-fopenmp", "-fPIC", "-shared")
 REQUIRED_CPU_FLAGS = frozenset({"avx512f"})
 BLOCK = 16  # output channels a packed block holds (one zmm register of float32 sums)
 
@@ -72,4 +72,5 @@ def project_rows(gemm, x, mode, norm_weight, eps, packed, bias, addend):  # prag
     null = np.uintp(0)
     gemm(rows.ctypes.data, m, k, weights.ctypes.data, n, bias.ctypes.data if bias.size else null,
          addend.ctypes.data if addend.size else null, out.ctypes.data)
+    keep_alive(rows)
     return out

@@ -22,6 +22,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# The kernels loaded so far, and the threads they were told to use (set_threads; a kernel loaded later is told too).
+_loaded: list[ctypes.CDLL] = []
+_threads = (1, 0, 1)
+
 
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
@@ -99,10 +103,31 @@ def load(source: Path, flags: tuple[str, ...], required_cpu_flags: frozenset[str
         log.info("%s: not on this CPU (lacks %s); %s", source.name, ", ".join(sorted(missing)), fallback)
         return None
     try:
-        function = getattr(ctypes.CDLL(str(compile_library(source, flags))), source.stem)
-    except (RuntimeError, OSError) as exc:
+        library = ctypes.CDLL(str(compile_library(source, flags)))
+        function = getattr(library, source.stem)
+        library.threads = getattr(library, f"{source.stem}_threads")
+    except (RuntimeError, OSError, AttributeError) as exc:
         log.warning("%s is not available (%s); %s", source.name, exc, fallback)
         return None
-    function.restype = None
+    function.restype = library.threads.restype = None
     function.argtypes = argtypes
+    library.threads.argtypes = [ctypes.c_int] * 3
+    library.threads(*_threads)
+    _loaded.append(library)
     return function
+
+
+def set_threads(few_rows_threads: int, few_rows: int, threads: int) -> None:
+    """Our kernels split a product of at most `few_rows` rows over `few_rows_threads` threads, any other over
+    `threads` (OpenMP, in the kernel; products whose weights take under 256 KiB stay on one thread, where a
+    team's start costs more than it saves).
+
+    Why rows decide: a product of a few rows is its weights read from memory, and one core does not read as fast
+    as the machine can: on a 2-core AMD EPYC one thread read 24-25 GB/s, two 31-32 (a plain 320 MB sum); `small`'s
+    plain batch-1 float32 step took 10.2 ms on two threads against 13.4 on one, int8 3.3 against 4.0. Where the
+    engine chooses (cpu_num_threads 0), a product of many rows stays on the threads the rest of the step runs
+    on (cpu_engine.engine.choose_threads: one on 2 cores, leaving the other to the frontend and Triton)."""
+    global _threads
+    _threads = (few_rows_threads, few_rows, threads)
+    for library in _loaded:
+        library.threads(*_threads)

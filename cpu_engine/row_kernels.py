@@ -90,6 +90,14 @@ PLAIN, NORMED, GATED = 0, 1, 2
 NO_ROW, NO_ROWS = np.empty(0, dtype=np.float32), np.empty((0, 0), dtype=np.float32)  # "none" for numba
 
 
+@numba.njit(nogil=True, cache=True)
+def keep_alive(*arrays):  # pragma: no cover
+    """Nothing: called after a C kernel with the arrays whose addresses it was given. numba frees an array after
+    its last use, and taking `.ctypes.data` is the last use unless something follows: the memory could go back
+    to the allocator before the kernel reads it, and be handed out again in between (the kernel's OpenMP
+    runtime allocates as it starts a team: rows of codes read as other bytes)."""
+
+
 @numba.njit(boundscheck=False, nogil=True, cache=True)
 def input_row(x, mode, norm_weight, eps, out):  # pragma: no cover
     """out = RMSNorm(x) (NORMED, weights `norm_weight`) or silu(gate) x up for x = [gate | up] (GATED): the

@@ -309,10 +309,12 @@ class Scheduler:
         return context, [[(row * per_row + i) % self.runner.num_blocks for i in range(per_row)]
                          for row in range(self.runner.max_batch_size)]
 
-    def plain_step_s(self, context: int = 64, repeats: int = 3) -> float:
-        """The median time of a plain decode step of a full batch (after one step not timed), not learned by
-        the prefill budget: how the engine tells a model too small for more than one thread (Engine)."""
+    def plain_step_s(self, context: int = 64, repeats: int = 3, batch: int = 0) -> float:
+        """The median time of a plain decode step of `batch` sequences (0: a full batch; after one step not
+        timed), not learned by the prefill budget: how the engine tells a model too small for more than one
+        thread (Engine)."""
         context, tables = self._calibration_tables(context)
+        tables = tables[:batch] if batch else tables
         batch = len(tables)
         times = []
         for _ in range(repeats + 1):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cpu_engine import float32_gemm
+from cpu_engine import float32_gemm, native
 from cpu_engine.row_kernels import GATED, NO_ROW, NO_ROWS, NORMED, PLAIN, rms_norm_rows, silu_rows
 
 needs_kernel = pytest.mark.skipif(float32_gemm.gemm() is None, reason="needs AVX-512 and a C compiler")
@@ -69,3 +69,17 @@ def test_the_norm_and_the_gated_product_are_the_rows_computed_first() -> None:
     gate_up = rng.standard_normal((3, 64)).astype(np.float32)
     assert np.array_equal(project(weight, gate_up, mode=GATED),
                           project(weight, silu_rows(gate_up[:, :32]) * gate_up[:, 32:]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 4, 5, 13])
+def test_a_product_split_over_threads_has_the_bits_of_one_thread(rows: int, restore_threads: None) -> None:
+    # 277 channels (17 whole blocks of 16 and a partial one) x 256 inputs: 277 KiB of weights, over the size
+    # below which a product stays on one thread. Up to 4 rows on 3 threads, more on 2.
+    rng = np.random.default_rng(rows)
+    weight = rng.standard_normal((277, 256)).astype(np.float32)
+    x = rng.standard_normal((rows, 256)).astype(np.float32)
+    native.set_threads(1, 0, 1)
+    alone = project(weight, x)
+    native.set_threads(3, 4, 2)
+    assert np.array_equal(project(weight, x), alone) and np.array_equal(alone, fused_multiply_adds(x, weight))

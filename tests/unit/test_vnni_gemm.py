@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cpu_engine import vnni_gemm
+from cpu_engine import native, vnni_gemm
 from cpu_engine.row_kernels import GATED, NO_ROW, NO_ROWS, NORMED, PLAIN, rms_norm_rows, silu_rows
 
 needs_vnni = pytest.mark.skipif(vnni_gemm.gemm() is None, reason="needs AVX-512 VNNI and a C compiler")
@@ -82,3 +82,19 @@ def test_the_largest_codes_against_the_largest_weights_do_not_overflow() -> None
     q[1::2] = -127
     out = project(vnni_gemm.PackedWeight(q, np.ones(32, np.float32)), np.ones((1, k), np.float32))
     assert np.array_equal(out[0], np.where(np.arange(32) % 2, -127.0 * k, 127.0 * k).astype(np.float32))
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 4, 5, 9])
+def test_a_product_split_over_threads_has_the_bits_of_one_thread(rows: int, restore_threads: None) -> None:
+    # 1,049 channels (16 pairs of blocks of 32, then a partial block alone) x 256 inputs: 262 KiB of weights, over
+    # the size below which a product stays on one thread. Up to 4 rows on 3 threads, more on 2.
+    rng = np.random.default_rng(rows)
+    q = rng.integers(-127, 128, (1049, 256), dtype=np.int8)
+    scale = (rng.random(1049) * 0.01 + 1e-4).astype(np.float32)
+    packed = vnni_gemm.PackedWeight(q, scale)
+    x = rng.standard_normal((rows, 256)).astype(np.float32)
+    native.set_threads(1, 0, 1)
+    alone = project(packed, x)
+    native.set_threads(3, 4, 2)
+    assert np.array_equal(project(packed, x), alone) and np.array_equal(alone, expected(x, q, scale))
