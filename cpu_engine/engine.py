@@ -46,9 +46,9 @@ PARALLEL_MIN_STEP_S = 0.010
 # cpu_num_threads 0: cores left to the rest of the stack (the frontend, tritonserver, this stub's response and
 # poll threads), which work on every token beside the forward pass (choose_threads).
 SERVING_CORES = 1
-# cpu_num_threads 0: our kernels' products of at most this many rows (decode steps of a few sequences: the weights
-# read from memory) may run on every core (choose_few_rows_threads).
-FEW_ROWS = 4
+# cpu_num_threads 0: our kernels' products of at most this many rows (decode steps of up to 16 sequences) may run on
+# every core (choose_few_rows_threads); prompt chunks of more rows stay on the step's threads.
+FEW_ROWS = 16
 
 
 class EngineFailedError(RequestError):
@@ -103,11 +103,14 @@ def choose_few_rows_threads(scheduler: Scheduler, cores: int, threads: int) -> i
     """With cpu_num_threads 0: the threads for our kernels' products of at most FEW_ROWS rows (native.set_threads):
     every core where a plain batch-1 decode step takes at least PARALLEL_MIN_STEP_S on `threads`, else `threads`.
 
-    A product of a few rows is its weights read from memory, and one core reads slower than two (native.set_threads);
-    the second thread meets the rest of the stack on its core, which the step then waits for. Where the step
-    is long that pays: float32 `small` (13 ms a batch-1 step on one thread, 10.2 on two) served 73 against 68
-    tok/s at one stream. Where it is short it does not: int8 `small` (~4 ms a step, 3.3 on two threads) served
-    186 against 206 (`benchmarks.overhead_bench --concurrency 1`, 4 interleaved rounds each, 2-core AMD EPYC)."""
+    A product of one row is its weights read from memory, and one core reads slower than two; one of 16 rows is
+    compute, and the second vCPU adds ~1.5x of it (native.set_threads). The second thread meets the rest of the
+    stack on its core, which the step then waits for (a block at most: the blocks are handed out one at a time).
+    Where the step is long that pays: float32 `small` (13 ms a batch-1 step on one thread, 10.2 on two; batch 16
+    31.6 against 21.5) served 73 against 68 tok/s at one stream with products of up to 4 rows split, and 396
+    against 364 at 16 streams with up to 16 rows split against 4. Where it is short it does not: int8 `small`
+    (~4 ms a step, 3.3 on two threads) served 186 against 206 at one stream (`benchmarks.overhead_bench`, 4
+    interleaved rounds each, 2-core AMD EPYC)."""
     if cores <= threads or scheduler.plain_step_s(batch=1) < PARALLEL_MIN_STEP_S:
         return threads
     return cores
