@@ -1,7 +1,7 @@
 """The CPU engine against its ceiling and its floor, measured in one run on one machine.
 
     python -m benchmarks.engine_bench [--engine-dir build/bench] [--only base,a,b,c,d,w,l] [--quick] [--threads N]
-                                      [--json out.json]
+                                      [--kernel-threads N] [--json out.json]
 
 base:
 1. ceiling: plain Hugging Face forward + KV cache, batched decode steps, no server (batch 1 and 16); next
@@ -67,7 +67,6 @@ from benchmarks.loadgen import DEFAULT_PROMPTS, TritonTarget, percentile, run_le
 from build_engine.cpu_engine_builder import write_int8_weights
 from cpu_engine import float32_gemm, native
 from cpu_engine.config import EngineConfig
-from cpu_engine.engine import FEW_ROWS
 from cpu_engine.int8 import Int8Projection, load_int8_weights
 from cpu_engine.runner import Chunk, LlamaRunner
 
@@ -502,10 +501,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="(l): decode attention reading >= 8 MiB of K/V a layer on this many threads (what the "
                              "engine does when it leaves cores to the stack, e.g. --threads 1 "
                              "--wide-attention-threads 2 on 2 cores); default 0: as --threads")
-    parser.add_argument("--few-rows-threads", type=int, default=0,
-                        help=f"our C kernels' products of at most {FEW_ROWS} rows on this many threads (what the "
-                             "engine does for a model whose batch-1 step is long, e.g. float32 `small` on 2 cores: "
-                             "--threads 1 --few-rows-threads 2); default 0: as --threads")
+    parser.add_argument("--kernel-threads", type=int, default=0,
+                        help="our C kernels' products on this many threads (what the engine does for a model whose "
+                             "batch-1 step is long, e.g. float32 `small` on 2 cores: --threads 1 --kernel-threads 2); "
+                             "default 0: as --threads")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     only = set(args.only)
@@ -513,9 +512,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))  # the attention kernel's team
-    native.set_threads(args.few_rows_threads or threads, FEW_ROWS, threads)
-    print(f"threads: {threads} (our kernels' products of at most {FEW_ROWS} rows: {args.few_rows_threads or threads})",
-          flush=True)
+    native.set_threads(args.kernel_threads or threads)
+    print(f"threads: {threads} (our C kernels: {args.kernel_threads or threads})", flush=True)
 
     engine_config = json.loads((args.engine_dir / "engine" / "engine_config.json").read_text())
     checkpoint, dtype = Path(engine_config["checkpoint_dir"]), engine_config["dtype"]

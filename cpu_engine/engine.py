@@ -46,9 +46,6 @@ PARALLEL_MIN_STEP_S = 0.010
 # cpu_num_threads 0: cores left to the rest of the stack (the frontend, tritonserver, this stub's response and
 # poll threads), which work on every token beside the forward pass (choose_threads).
 SERVING_CORES = 1
-# cpu_num_threads 0: our kernels' products of at most this many rows (decode steps of up to 16 sequences) may run on
-# every core (choose_few_rows_threads); prompt chunks of more rows stay on the step's threads.
-FEW_ROWS = 16
 
 
 class EngineFailedError(RequestError):
@@ -99,18 +96,16 @@ def choose_threads(scheduler: Scheduler, cores: int) -> tuple[int, str]:
                                      f"{SERVING_CORES} of {cores} cores left to the rest of the stack")
 
 
-def choose_few_rows_threads(scheduler: Scheduler, cores: int, threads: int) -> int:
-    """With cpu_num_threads 0: the threads for our kernels' products of at most FEW_ROWS rows (native.set_threads):
-    every core where a plain batch-1 decode step takes at least PARALLEL_MIN_STEP_S on `threads`, else `threads`.
+def choose_kernel_threads(scheduler: Scheduler, cores: int, threads: int) -> int:
+    """With cpu_num_threads 0: the threads our C kernels split a product over (native.set_threads): every core
+    where a plain batch-1 decode step takes at least PARALLEL_MIN_STEP_S on `threads`, else `threads`.
 
-    A product of one row is its weights read from memory, and one core reads slower than two; one of 16 rows is
-    compute, and the second vCPU adds ~1.5x of it (native.set_threads). The second thread meets the rest of the
-    stack on its core, which the step then waits for (a block at most: the blocks are handed out one at a time).
-    Where the step is long that pays: float32 `small` (13 ms a batch-1 step on one thread, 10.2 on two; batch 16
-    31.6 against 21.5) served 73 against 68 tok/s at one stream with products of up to 4 rows split, and 396
-    against 364 at 16 streams with up to 16 rows split against 4. Where it is short it does not: int8 `small`
-    (~4 ms a step, 3.3 on two threads) served 186 against 206 at one stream (`benchmarks.overhead_bench`, 4
-    interleaved rounds each, 2-core AMD EPYC)."""
+    The kernels' second thread meets the rest of the stack on its core, which the step then waits for (a block
+    at most: the blocks are handed out one at a time). Where a step is long that pays: float32 `small` (13 ms a
+    batch-1 step on one thread, 10.2 on two; batch 16 31.6 against 21.5; 15 sequences and a 10-token prompt chunk
+    50.5 against 37.6) served 73 against 68 tok/s at one stream and 337 against 325 at 16 streams, 4 of 4 rounds
+    ahead (`benchmarks.overhead_bench`, 4 interleaved rounds each, 2-core AMD EPYC). Where it is short it does not:
+    int8 `small` (~4 ms a step, 3.3 on two threads) served 186 against 206 at one stream."""
     if cores <= threads or scheduler.plain_step_s(batch=1) < PARALLEL_MIN_STEP_S:
         return threads
     return cores
@@ -156,7 +151,7 @@ class Engine:
         self._build_error: BaseException | None = None
         self.threads = 0  # the threads the loop thread's parallel ops run on (from_config; 0: not set here)
         self.thread_choice = ""  # why, when the engine chose them (cpu_num_threads 0)
-        self.few_rows_threads = 0  # the threads our kernels' products of at most FEW_ROWS rows run on (from_config)
+        self.kernel_threads = 0  # the threads our C kernels split a product over (from_config)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: object) -> "Engine":
@@ -173,10 +168,10 @@ class Engine:
                 wide = min(cores, numba.config.NUMBA_NUM_THREADS)  # long-context attention: every core
                 if wide > engine.threads:
                     runner.wide_attention_threads = wide
-            engine.few_rows_threads = cores
+            engine.kernel_threads = cores
             if config.num_threads <= 0:
-                engine.few_rows_threads = choose_few_rows_threads(scheduler, cores, engine.threads)
-            native.set_threads(engine.few_rows_threads, FEW_ROWS, engine.threads)
+                engine.kernel_threads = choose_kernel_threads(scheduler, cores, engine.threads)
+            native.set_threads(engine.kernel_threads)
             scheduler.calibrate()
             return scheduler
 
@@ -193,8 +188,8 @@ class Engine:
         wide = (f"; decode attention over long contexts on {runner.wide_attention_threads} threads"
                 if runner.wide_attention_threads else "")
         weights = f"{runner.weights} weights ({runner.lm_head.description})"  # which kernel (int8: and activations)
-        if runner.lm_head.gemm is not None and self.few_rows_threads > threads:
-            weights += f", its products of up to {FEW_ROWS} rows on {self.few_rows_threads} threads"
+        if runner.lm_head.gemm is not None and self.kernel_threads > threads:
+            weights += f", on {self.kernel_threads} threads"
         return (f"CPU engine: {runner.dtype_name} compute, {weights}; {threads} threads{choice}{wide}; "
                 f"plain decode step by batch size {{{steps}}}")
 

@@ -15,24 +15,16 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Threads (cpu_engine/native.py, set_threads): a product of at most `few_rows` rows whose weights take at least
- * SPLIT_MIN_BYTES splits its blocks of channels over `few_rows_threads` threads, any other product over
- * `threads`. Each block, so each output, is still one thread's chain in the same order: the bits do not depend
- * on the threads. Blocks are handed out one at a time (dynamic), so a thread the rest of the stack pushed off
- * its core holds up one block, not its share. */
+/* Threads (cpu_engine/native.py, set_threads): a product whose weights take at least SPLIT_MIN_BYTES splits its
+ * blocks of channels over `threads` threads. Each block, so each output, is still one thread's chain in the same
+ * order: the bits do not depend on the threads. Blocks are handed out one at a time (dynamic), so a thread the
+ * rest of the stack pushed off its core holds up one block, not its share. */
 #define SPLIT_MIN_BYTES (256L << 10)
-static int few_rows_threads = 1, few_rows = 0, threads = 1;
+static int threads = 1;
 
-void int8_gemm_threads(int few_rows_threads_, int few_rows_, int threads_)
+void int8_gemm_threads(int threads_)
 {
-    few_rows_threads = few_rows_threads_;
-    few_rows = few_rows_;
     threads = threads_;
-}
-
-static inline int team(int m, long weight_bytes)
-{
-    return weight_bytes < SPLIT_MIN_BYTES ? 1 : m <= few_rows ? few_rows_threads : threads;
 }
 
 static inline __attribute__((always_inline)) void tile(
@@ -102,7 +94,7 @@ static inline __attribute__((always_inline)) void rows_of(
 void int8_gemm(const uint8_t *codes, int m, int k, const int8_t *weights, int n, const int32_t *offset,
                const float *scale, const float *row_scale, const float *bias, const float *addend, float *out)
 {
-    int blocks = (n + 31) / 32, team_size = team(m, (long)n * k);
+    int blocks = (n + 31) / 32, team_size = (long)n * k < SPLIT_MIN_BYTES ? 1 : threads;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(team_size) if (team_size > 1)
     for (int b = 0; b < blocks - 1; b += 2)  /* pairs of blocks */
         rows_of(m, 2, codes, k, weights + (long)b * k * 32, offset + 32 * b, scale + 32 * b, row_scale,

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 # The kernels loaded so far, and the threads they were told to use (set_threads; a kernel loaded later is told too).
 _loaded: list[ctypes.CDLL] = []
-_threads = (1, 0, 1)
+_threads = 1
 
 
 def cpu_flags() -> frozenset[str]:
@@ -111,25 +111,23 @@ def load(source: Path, flags: tuple[str, ...], required_cpu_flags: frozenset[str
         return None
     function.restype = library.threads.restype = None
     function.argtypes = argtypes
-    library.threads.argtypes = [ctypes.c_int] * 3
-    library.threads(*_threads)
+    library.threads.argtypes = [ctypes.c_int]
+    library.threads(_threads)
     _loaded.append(library)
     return function
 
 
-def set_threads(few_rows_threads: int, few_rows: int, threads: int) -> None:
-    """Our kernels split a product of at most `few_rows` rows over `few_rows_threads` threads, any other over
-    `threads` (OpenMP, in the kernel; products whose weights take under 256 KiB stay on one thread, where a
-    team's start costs more than it saves).
+def set_threads(threads: int) -> None:
+    """Our kernels split each product over `threads` threads (OpenMP, in the kernel; products whose weights take
+    under 256 KiB stay on one thread, where a team's start costs more than it saves).
 
-    Why: a product of a few rows is its weights read from memory, and one core does not read as fast as the
-    machine can: on a 2-core AMD EPYC one thread read 24-25 GB/s, two 31-32 (a plain 320 MB sum); `small`'s plain
-    batch-1 float32 step took 10.2 ms on two threads against 13.4 on one, int8 3.3 against 4.0; batch 16 (compute)
-    21.5 against 31.6 and 11.2 against 14.1. Where the engine chooses (cpu_num_threads 0), a product of more rows
-    (a prompt chunk) stays on the threads the rest of the step runs on (cpu_engine.engine.choose_threads: one on
-    2 cores, leaving the other to the frontend and Triton), and short steps are not split at all
-    (choose_few_rows_threads)."""
+    Why a team of its own, apart from PyTorch's: a product of a few rows is its weights read from memory, and one
+    core does not read as fast as the machine can: on a 2-core AMD EPYC one thread read 24-25 GB/s, two 31-32 (a
+    plain 320 MB sum); `small`'s plain batch-1 float32 step took 10.2 ms on two threads against 13.4 on one, int8
+    3.3 against 4.0; a product of many rows is compute, and the second vCPU adds ~1.5x of it: batch 16 21.5
+    against 31.6 and 11.2 against 14.1. Where the engine chooses (cpu_num_threads 0) it uses every core only
+    where a step is long (cpu_engine.engine.choose_kernel_threads)."""
     global _threads
-    _threads = (few_rows_threads, few_rows, threads)
+    _threads = threads
     for library in _loaded:
-        library.threads(*_threads)
+        library.threads(threads)

@@ -31,7 +31,8 @@ from cpu_engine.row_kernels import GATED, PLAIN, input_row, keep_alive
 
 SOURCE = Path(__file__).with_name("int8_gemm.c")
 # -ffp-contract=off: GCC would fuse the scale and the bias add into one FMA, other bits than the unfused add.
-FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp", "-fPIC",
+         "-shared")
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 BLOCK = 32  # output channels a packed block holds (two zmm registers of int32 sums)
 STEPS, ZERO_POINT = 127, 128  # activation codes round(127 u) + 128, u = x / max|x|

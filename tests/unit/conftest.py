@@ -14,4 +14,4 @@ def restore_threads() -> Iterator[None]:
     """The threads our C kernels were told to use (native.set_threads, process-wide) are put back after the test."""
     before = native._threads
     yield
-    native.set_threads(*before)
+    native.set_threads(before)

@@ -789,25 +789,23 @@ def test_auto_threads_leave_a_core_to_the_stack_and_keep_small_models_on_one(
 
 
 @pytest.mark.parametrize("cores, min_step_s, expected", [
-    (2, 0.0, 2),  # a long batch-1 step: products of a few rows on both cores, more rows on the step's one thread
-    (2, 1e9, 1),  # a short one: every product on one thread
+    (2, 0.0, 2),  # a long batch-1 step: our kernels on both cores, the rest of the step on one thread
+    (2, 1e9, 1),  # a short one: everything on one thread
     (1, 0.0, 1),  # one core: nothing to split over
 ])
-def test_auto_threads_split_products_of_few_rows_over_every_core_where_a_batch_1_step_is_long(
+def test_auto_threads_put_our_kernels_on_every_core_where_a_batch_1_step_is_long(
         checkpoint: Path, monkeypatch: pytest.MonkeyPatch, restore_threads: None, cores: int, min_step_s: float,
         expected: int) -> None:
-    """cpu_num_threads 0: our kernels split products of at most FEW_ROWS rows over every core where a plain
-    batch-1 decode step takes PARALLEL_MIN_STEP_S or more; the server log says so where one of our kernels runs."""
+    """cpu_num_threads 0: our C kernels split each product over every core where a plain batch-1 decode step
+    takes PARALLEL_MIN_STEP_S or more; the server log says so where one of our kernels runs."""
     import cpu_engine.engine as engine_module
     from cpu_engine import native
 
     monkeypatch.setattr(engine_module, "PARALLEL_MIN_STEP_S", min_step_s)
     with engine_on_cores(checkpoint, monkeypatch, cores, LlamaRunner, 2) as engine:
-        assert engine.threads == 1 and engine.few_rows_threads == expected
-        assert native._threads == (expected, engine_module.FEW_ROWS, 1)
+        assert engine.threads == 1 and engine.kernel_threads == expected and native._threads == expected
         ours = engine.scheduler.runner.lm_head.gemm is not None
-        assert (f"products of up to {engine_module.FEW_ROWS} rows on 2 threads" in engine.describe()) == (
-            ours and expected == 2)
+        assert ("), on 2 threads; 1 threads" in engine.describe()) == (ours and expected == 2)
 
 
 @pytest.mark.parametrize("min_kv_bytes, wide", [(0, True), (1 << 40, False)])

@@ -72,14 +72,16 @@ def test_the_norm_and_the_gated_product_are_the_rows_computed_first() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 4, 5, 13])
-def test_a_product_split_over_threads_has_the_bits_of_one_thread(rows: int, restore_threads: None) -> None:
+@pytest.mark.parametrize("rows, threads", [(1, 2), (4, 3), (5, 2), (13, 3)])
+def test_a_product_split_over_threads_has_the_bits_of_one_thread(rows: int, threads: int,
+                                                                  restore_threads: None) -> None:
     # 277 channels (17 whole blocks of 16 and a partial one) x 256 inputs: 277 KiB of weights, over the size
-    # below which a product stays on one thread. Up to 4 rows on 3 threads, more on 2.
+    # below which a product stays on one thread.
     rng = np.random.default_rng(rows)
     weight = rng.standard_normal((277, 256)).astype(np.float32)
     x = rng.standard_normal((rows, 256)).astype(np.float32)
-    native.set_threads(1, 0, 1)
+    native.set_threads(1)
     alone = project(weight, x)
-    native.set_threads(3, 4, 2)
+    native.set_threads(threads)
     assert np.array_equal(project(weight, x), alone) and np.array_equal(alone, fused_multiply_adds(x, weight))
+
