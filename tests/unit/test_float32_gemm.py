@@ -72,7 +72,7 @@ def test_the_norm_and_the_gated_product_are_the_rows_computed_first() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows, threads", [(1, 2), (4, 3), (5, 2), (13, 3)])
+@pytest.mark.parametrize("rows, threads", [(1, 2), (4, 3), (5, 2), (13, 3), (16, 2)])
 def test_a_product_split_over_threads_has_the_bits_of_one_thread(rows: int, threads: int,
                                                                   restore_threads: None) -> None:
     # 277 channels (17 whole blocks of 16 and a partial one) x 256 inputs: 277 KiB of weights, over the size
