@@ -8,6 +8,11 @@ are one call: the norm and the qkv product, rotary and the KV cache store, atten
 with the residual add, the norm and the gate/up product, SiLU with the down product and the residual add, for
 every layer, with no Python between.
 
+decode_step takes the step from token ids to logits: the embedding rows, the rotary rows and each token's place in
+the pool before the layers, the final norm and the lm_head after them. Those ran as ~15 PyTorch ops and Python
+between numba calls before: a batch-1 step of `small` int8 took 0.33-0.36 ms longer (4.8 against 4.4 ms, 7%),
+float32 0.37-0.48 ms (interleaved in one process).
+
 Decode rows are the decoding sequences' tokens and, where they read little K/V, the step's prompt chunks' tokens
 (runner.LlamaRunner._chunks_as_decode_rows): a new request's short prompt tail runs here beside the others.
 Every piece is the function the layer-by-layer path calls (`project`, row_kernels.rotate_and_store,
@@ -85,3 +90,33 @@ def decode_layers(gemm, hidden, layers, cos, sin_signed, places, k_pools, v_pool
         rows = project_rows(gemm, hidden, NORMED, post_norm, post_eps, gate_up, gate_up_bias, no_rows)
         hidden = project_rows(gemm, rows, GATED, no_row, no_eps, down, down_bias, hidden)
     return hidden
+
+
+@numba.njit(boundscheck=False, nogil=True, cache=True)
+def decode_step(gemm, embed, token_ids, positions, tables, cos_table, sin_table, layers, k_pools, v_pools, block_size,
+                scale, threads, shape, logits_rows, head_gemm, norm_weight, norm_eps, head, head_bias):  # pragma: no cover
+    """The logits [len(logits_rows), vocab] of a step of decode rows: token `token_ids[i]` at `positions[i]` of the
+    sequence whose block table is `tables[i]` (padded with any block id past its length), through decode_layers,
+    the final norm (norm_weight, norm_eps) and the lm_head (`head` packed for `head_gemm`, its bias `head_bias`).
+    embed [vocab, hidden]; cos_table / sin_table [positions, 1, head_dim], the runner's rotary tables. The token
+    ids and positions are the scheduler's, checked at admission (no bounds are checked here)."""
+    batch = token_ids.shape[0]
+    hidden = np.empty((batch, embed.shape[1]), np.float32)
+    cos = np.empty((batch, 1, cos_table.shape[2]), np.float32)
+    sin_signed = np.empty((batch, 1, sin_table.shape[2]), np.float32)
+    places = np.empty(batch, np.int64)
+    lengths = np.empty(batch, np.int64)
+    for i in range(batch):
+        position = positions[i]
+        hidden[i] = embed[token_ids[i]]
+        cos[i] = cos_table[position]
+        sin_signed[i] = sin_table[position]
+        places[i] = tables[i, position // block_size] * block_size + position % block_size
+        lengths[i] = position + 1
+    hidden = decode_layers(gemm, hidden, layers, cos, sin_signed, places, k_pools, v_pools, tables, lengths,
+                           block_size, scale, threads, shape)
+    last = np.empty((logits_rows.shape[0], hidden.shape[1]), np.float32)
+    for i in range(logits_rows.shape[0]):
+        last[i] = hidden[logits_rows[i]]
+    no_rows = np.empty((0, 0), np.float32)
+    return project_rows(head_gemm, last, NORMED, norm_weight, norm_eps, head, head_bias, no_rows)

@@ -21,9 +21,9 @@ for all active sequences:
   gathers each sequence's blocks into a [batch, kv_heads, length, head_dim] tensor instead); each prompt
   chunk attends on its own, over its blocks gathered, with a causal mask offset by what its sequence
   already has in cache;
-- on our own kernels (float32, or int8 with VNNI), a step of decode tokens only runs every layer in one numba
-  call (cpu_engine.fused_step: the same functions as the layer loop, so the same bits, without the Python
-  between them).
+- on our own kernels (float32, or int8 with VNNI), a step of decode tokens only runs in one numba call, from
+  token ids to logits (cpu_engine.fused_step: the same functions as the layer loop, so the same bits, without
+  the Python between them).
 """
 
 from __future__ import annotations
@@ -352,6 +352,10 @@ class LlamaRunner:
         self._pool_arrays = (self.k_cache.numpy(), self.v_cache.numpy()) if self.in_place_decode else None
         self._k_arrays = list(self._pool_arrays[0]) if self.in_place_decode else []
         self._v_arrays = list(self._pool_arrays[1]) if self.in_place_decode else []
+        # The embedding and the rotary tables as numpy views too, for the step in one call (fused_step.decode_step).
+        self._embed_array = self.embed.numpy() if self.in_place_decode else None
+        self._rotary_arrays = (tuple(table.numpy() for table in self._rotary_tables)
+                               if self.in_place_decode and self._rotary_tables is not None else None)
         self.kv_bytes_per_position = 2 * self.kv_size * self.k_cache.element_size()  # K and V, one layer
         self._attention_shape = shape_of(self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
         self._scale32 = np.float32(self.scale)
@@ -371,12 +375,14 @@ class LlamaRunner:
         int8 kernels side by side)."""
         # An lm_head on our kernels with float32 norms takes the final norm into its row kernel, as the layers do.
         self.fused_head = self.lm_head.fusable and self.norm.weight_array is not None
-        # Steps of decode rows only (short chunks included) of an engine on our float32 or VNNI kernel: every layer
-        # in one numba call (cpu_engine.fused_step), each layer as its step_arrays; None where a layer cannot (the
-        # layer loop). The decode step's kernel is its layers' (one engine: one kind of weights).
+        # Steps of decode rows only (short chunks included) of an engine on our float32 or VNNI kernel, with its
+        # lm_head on one of them too and the rotary tables kept: the whole step, token ids to logits, in one numba
+        # call (cpu_engine.fused_step.decode_step), each layer as its step_arrays; None where it cannot (the layer
+        # loop). The step's kernel is its layers' (one engine: one kind of weights).
         steps = [layer.step_arrays for layer in self.layers]
-        self.one_call_decode = (tuple(steps) if self.in_place_decode and all(arrays is not None for arrays in steps)
-                                else None)
+        whole = (self.in_place_decode and self.fused_head and self.lm_head.arrays is not None
+                 and self._rotary_tables is not None and all(arrays is not None for arrays in steps))
+        self.one_call_decode = tuple(steps) if whole else None
 
     def _rotary_tables_for_every_position(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos and sin' ([max_seq_len, 1, head_dim]) of every position, from the checkpoint's rotary module once:
@@ -428,16 +434,24 @@ class LlamaRunner:
             if threads:
                 numba.set_num_threads(narrow)
 
-    def _decode_in_one_call(self, hidden: torch.Tensor, rotary_arrays: tuple[np.ndarray, np.ndarray],
-                            places: np.ndarray, tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The residual stream of a step of decode rows only after every layer, in one numba call (fused_step)."""
+    def _step_in_one_call(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
+                          logits_rows: list[int]) -> torch.Tensor:
+        """The logits of a step of decode rows only, in one numba call (fused_step.decode_step)."""
+        per_row = -(-(max(decode_positions) + 1) // self.block_size)
+        # Rows shorter than the longest are padded with block 0: never read (the kernel stops at each row's length).
+        tables = np.zeros((len(decode_blocks), per_row), dtype=np.int64)
+        for row, table in zip(tables, decode_blocks):
+            row[:min(len(table), per_row)] = table[:per_row]
         threads = numba.get_num_threads()
         previous = numba.set_parallel_chunksize(1) if threads > 1 else 0  # as paged_decode_attention sets it
+        head, norm = self.lm_head, self.norm
         try:
-            return torch.from_numpy(fused_step.decode_layers(
-                self.layers[0].qkv.gemm, hidden.numpy(), self.one_call_decode, rotary_arrays[0], rotary_arrays[1],
-                places, *self._pool_arrays, tables.numpy(), lengths.numpy(), self.block_size, self._scale32, threads,
-                self._attention_shape))
+            return torch.from_numpy(fused_step.decode_step(
+                self.layers[0].qkv.gemm, self._embed_array, np.array(token_ids, dtype=np.int64),
+                np.array(decode_positions, dtype=np.int64), tables, *self._rotary_arrays, self.one_call_decode,
+                *self._pool_arrays, self.block_size, self._scale32, threads, self._attention_shape,
+                np.array(logits_rows, dtype=np.int64), head.gemm, norm.weight_array, norm.eps32, head.arrays,
+                head.fused_bias))
         finally:
             if threads > 1:
                 numba.set_parallel_chunksize(previous)
@@ -477,6 +491,10 @@ class LlamaRunner:
             decode_blocks, decode_positions, chunks = self._chunks_as_decode_rows(decode_blocks, decode_positions,
                                                                                   chunks)
         num_decode = len(decode_blocks)
+        reads = (sum(decode_positions) + num_decode) * self.kv_bytes_per_position  # a layer's decode attention's K/V
+        wide = self.wide_attention_threads if self.in_place_decode and reads >= WIDE_ATTENTION_MIN_KV_BYTES else 0
+        if self.one_call_decode is not None and num_decode and not chunks and logits_rows and not wide:
+            return self._step_in_one_call(token_ids, decode_blocks, decode_positions, logits_rows)
         block_size = self.block_size
         positions = list(decode_positions)
         places = [table[p // block_size] * block_size + p % block_size
@@ -514,57 +532,52 @@ class LlamaRunner:
 
         if self.in_place_decode:
             rotary_arrays, places_array = (cos.numpy(), sin_signed.numpy()), places_t.numpy()
-        wide = (self.wide_attention_threads if num_decode and self.in_place_decode and
-                int(dec_len.sum()) * self.kv_bytes_per_position >= WIDE_ATTENTION_MIN_KV_BYTES else 0)
         qk_size = self.q_size + self.kv_size
-        if self.one_call_decode is not None and num_decode and not chunks and not wide:
-            hidden = self._decode_in_one_call(hidden, rotary_arrays, places_array, decode_tables, dec_len)
-        else:
-            for layer_idx, layer in enumerate(self.layers):
-                qkv = layer.qkv_of(hidden)
-                qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-                v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-                if layer.q_norm is not None:
-                    qk = torch.cat((layer.q_norm(qk[:, :self.num_heads]), layer.k_norm(qk[:, self.num_heads:])), dim=1)
-                    qkv = torch.cat((qk.view(num_tokens, qk_size), qkv[:, qk_size:]), dim=1)
-                if self.in_place_decode:  # float32
-                    q = torch.empty(num_tokens, self.num_heads, self.head_dim)
-                    rotate_and_store(qkv.numpy(), self.num_heads, self.num_kv_heads, rotary_arrays[0], rotary_arrays[1],
-                                     places_array, self._k_arrays[layer_idx], self._v_arrays[layer_idx], q.numpy())
-                else:
-                    qk = qk * cos + torch.roll(qk, half, dims=-1) * sin_signed
-                    q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-                    self.k_cache[layer_idx].index_copy_(0, places_t, k)
-                    self.v_cache[layer_idx].index_copy_(0, places_t, v)
+        for layer_idx, layer in enumerate(self.layers):
+            qkv = layer.qkv_of(hidden)
+            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                qk = torch.cat((layer.q_norm(qk[:, :self.num_heads]), layer.k_norm(qk[:, self.num_heads:])), dim=1)
+                qkv = torch.cat((qk.view(num_tokens, qk_size), qkv[:, qk_size:]), dim=1)
+            if self.in_place_decode:  # float32
+                q = torch.empty(num_tokens, self.num_heads, self.head_dim)
+                rotate_and_store(qkv.numpy(), self.num_heads, self.num_kv_heads, rotary_arrays[0], rotary_arrays[1],
+                                 places_array, self._k_arrays[layer_idx], self._v_arrays[layer_idx], q.numpy())
+            else:
+                qk = qk * cos + torch.roll(qk, half, dims=-1) * sin_signed
+                q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+                self.k_cache[layer_idx].index_copy_(0, places_t, k)
+                self.v_cache[layer_idx].index_copy_(0, places_t, v)
 
-                outputs = []
-                if num_decode and self.in_place_decode:
-                    out = self._decode_attention(q[:num_decode], layer_idx, decode_tables, dec_len, wide)
-                    outputs.append(out.reshape(num_decode, -1))
-                elif num_decode:
-                    keys, values = self._block_views(layer_idx, decode_tables)
+            outputs = []
+            if num_decode and self.in_place_decode:
+                out = self._decode_attention(q[:num_decode], layer_idx, decode_tables, dec_len, wide)
+                outputs.append(out.reshape(num_decode, -1))
+            elif num_decode:
+                keys, values = self._block_views(layer_idx, decode_tables)
+                out = F.scaled_dot_product_attention(
+                    q[:num_decode, :, None, :], keys, values, attn_mask=decode_mask,
+                    scale=self.scale, enable_gqa=True)
+                outputs.append(out.reshape(num_decode, -1))
+            offset = num_decode
+            for chunk, table in zip(chunks, chunk_blocks):
+                end = chunk.start + chunk.length
+                chunk_q = q[offset:offset + chunk.length].transpose(0, 1)[None]  # [1, heads, c, hd]
+                keys, values = self._block_views(layer_idx, table)
+                keys, values = keys[:, :, :end], values[:, :, :end]
+                if chunk.start == 0:
                     out = F.scaled_dot_product_attention(
-                        q[:num_decode, :, None, :], keys, values, attn_mask=decode_mask,
-                        scale=self.scale, enable_gqa=True)
-                    outputs.append(out.reshape(num_decode, -1))
-                offset = num_decode
-                for chunk, table in zip(chunks, chunk_blocks):
-                    end = chunk.start + chunk.length
-                    chunk_q = q[offset:offset + chunk.length].transpose(0, 1)[None]  # [1, heads, c, hd]
-                    keys, values = self._block_views(layer_idx, table)
-                    keys, values = keys[:, :, :end], values[:, :, :end]
-                    if chunk.start == 0:
-                        out = F.scaled_dot_product_attention(
-                            chunk_q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
-                    else:
-                        query_pos = torch.arange(chunk.start, end)[:, None]
-                        mask = torch.arange(end)[None, :] <= query_pos
-                        out = F.scaled_dot_product_attention(
-                            chunk_q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
-                    outputs.append(out[0].transpose(0, 1).reshape(chunk.length, -1))
-                    offset += chunk.length
-                attn_out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
-                hidden = layer.add_mlp(layer.add_attention(hidden, attn_out))
+                        chunk_q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+                else:
+                    query_pos = torch.arange(chunk.start, end)[:, None]
+                    mask = torch.arange(end)[None, :] <= query_pos
+                    out = F.scaled_dot_product_attention(
+                        chunk_q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                outputs.append(out[0].transpose(0, 1).reshape(chunk.length, -1))
+                offset += chunk.length
+            attn_out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+            hidden = layer.add_mlp(layer.add_attention(hidden, attn_out))
 
         if not logits_rows:  # a step of prompt chunks that all end mid-prompt
             return torch.empty(0, self.vocab_size)

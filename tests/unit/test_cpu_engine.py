@@ -834,7 +834,7 @@ def test_long_context_decode_attention_uses_the_core_left_to_the_stack(
             return super().forward(*args, **kwargs)
 
     monkeypatch.setattr(runner_module, "paged_decode_attention", recording(runner_module.paged_decode_attention))
-    monkeypatch.setattr(fused_step, "decode_layers", recording(fused_step.decode_layers))
+    monkeypatch.setattr(fused_step, "decode_step", recording(fused_step.decode_step))
     monkeypatch.setattr(runner_module, "WIDE_ATTENTION_MIN_KV_BYTES", min_kv_bytes)
     with engine_on_cores(checkpoint, monkeypatch, 2, RecordingRunner, 4) as engine:
         both = min(2, numba.config.NUMBA_NUM_THREADS)  # numba's team cannot grow past NUMBA_NUM_THREADS
