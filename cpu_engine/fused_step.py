@@ -93,8 +93,9 @@ def decode_layers(gemm, hidden, layers, cos, sin_signed, places, k_pools, v_pool
 
 
 @numba.njit(boundscheck=False, nogil=True, cache=True)
-def decode_step(gemm, embed, token_ids, positions, tables, cos_table, sin_table, layers, k_pools, v_pools, block_size,
-                scale, threads, shape, logits_rows, head_gemm, norm_weight, norm_eps, head, head_bias):  # pragma: no cover
+def decode_step(gemm, embed, token_ids, positions, tables, cos_table, sin_table, layers, k_pools, v_pools,
+                block_size, scale, threads, shape, logits_rows, head_gemm, norm_weight, norm_eps, head,
+                head_bias):  # pragma: no cover
     """The logits [len(logits_rows), vocab] of a step of decode rows: token `token_ids[i]` at `positions[i]` of the
     sequence whose block table is `tables[i]` (padded with any block id past its length), through decode_layers,
     the final norm (norm_weight, norm_eps) and the lm_head (`head` packed for `head_gemm`, its bias `head_bias`).
