@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from build_engine.cpu_engine_builder import write_int8_weights
-from cpu_engine import float32_gemm, vnni_gemm
+from cpu_engine import float32_gemm, fused_step, vnni_gemm
 from cpu_engine.config import EngineConfig
 from cpu_engine.engine import Engine, EngineFailedError
 from cpu_engine.int8 import default_kernel
@@ -233,7 +233,14 @@ def test_an_engine_on_our_kernels_steps_the_same_bits_fused_and_unfused(checkpoi
         logits.append(runner.forward([6], tables[:1], [len(prompt) + 4], [], [0]))
         return logits
 
+    in_one_call = []
+    real_step = fused_step.decode_step
+    monkeypatch.setattr(fused_step, "decode_step", lambda *args: in_one_call.append(len(args[2])) or real_step(*args))
     one_call = steps()
+    # every decode-only step ran in one call (4 of 2 rows, the last alone); with the chunks as rows the prompts
+    # (17 and 9 rows) and the mixed step (4) too
+    expected = [17, 9] + [2] * 4 + [4, 1] if chunks_as_rows else [2] * 4 + [1]
+    assert in_one_call == (expected if ours is not None else [])
     assert torch.equal(one_call[-1][0], one_call[-2][0])  # the same row, beside a chunk and alone
     runner.one_call_decode = None
     layer_by_layer = steps()
@@ -818,7 +825,6 @@ def test_long_context_decode_attention_uses_the_core_left_to_the_stack(
     import numba
 
     import cpu_engine.runner as runner_module
-    from cpu_engine import fused_step
 
     in_attention, at_forward = [], []
 
