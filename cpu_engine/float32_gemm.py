@@ -6,7 +6,8 @@ once at load, the kernel used before and still used on CPUs without AVX-512) rea
 rows on a 2-core AMD EPYC where one core reads ~22 GB/s, and its 1-row kernel summed long inputs in another order
 than its kernels for more rows (a sequence decoding alone got other bits than in a batch; it was padded to 4
 rows). The kernel here streams each block of 16 output channels once, tiles up to 6 rows x 64 channels so larger
-batches reuse each loaded register, adds the bias and the residual in the same pass, and sums every output in
+batches reuse each loaded register (and, past one tile of rows, prefetches the next block while the tiles from L2
+compute), adds the bias and the residual in the same pass, and sums every output in
 one chain of fused multiply-adds in input order, so a row's bits never depend on the batch. Measured on that
 machine, plain decode steps of `small`, one thread, interleaved with oneDNN's (`python -m benchmarks.engine_bench
 --only w`): batch 1 13.6 against 23.5 ms (the weights read at ~23 GB/s), batch 16 36.6 against 42.1.
