@@ -10,6 +10,10 @@
  *
  * with offset[c] = 128 x sum_j w[c][j] (the codes' zero point) and bias / addend left out where null. The sums
  * are exact, the rest is per element: a row's result does not depend on the other rows.
+ *
+ * With more rows than one tile, each tile of a pair of blocks also prefetches its share of the thread's next pair
+ * (as cpu_engine/float32_gemm.c does, which says why): the tiles that read the pair from L2 compute while the next
+ * one comes from memory.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -17,9 +21,12 @@
 
 /* Threads (cpu_engine/native.py, set_threads): a product whose weights take at least SPLIT_MIN_BYTES splits its
  * blocks of channels over `threads` threads. Each block, so each output, is still one thread's chain in the same
- * order: the bits do not depend on the threads. Blocks are handed out one at a time (dynamic), so a thread the
- * rest of the stack pushed off its core holds up one block, not its share. */
+ * order: the bits do not depend on the threads. With up to ROWS rows pairs of blocks are handed out one at a time
+ * (dynamic), so a thread the rest of the stack pushed off its core holds up one pair, not its share; with more,
+ * thread t takes pairs t, t + threads, ... (static), so that it knows which pair to prefetch. */
 #define SPLIT_MIN_BYTES (256L << 10)
+#define ROWS 4     /* a tile's rows */
+#define CHUNK 16   /* groups of 4 inputs between a tile's prefetches */
 static int threads = 1;
 
 void int8_gemm_threads(int threads_)
@@ -27,16 +34,12 @@ void int8_gemm_threads(int threads_)
     threads = threads_;
 }
 
-static inline __attribute__((always_inline)) void tile(
-    int rows, int blocks, const uint8_t *codes, int k, const int8_t *weights, const int32_t *offset,
-    const float *scale, const float *row_scale, const float *bias, const float *addend, float *out, int n,
-    int channels)
+/* sums[r][j] += the products of groups start .. end - 1 (4 inputs each), in order. */
+static inline __attribute__((always_inline)) void multiply_add(
+    int rows, int blocks, const uint8_t *codes, int k, const int8_t *weights, int start, int end,
+    __m512i sums[ROWS][4])
 {
-    __m512i sums[4][4];
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 2 * blocks; j++)
-            sums[r][j] = _mm512_setzero_si512();
-    for (int group = 0; group < k / 4; group++) {
+    for (int group = start; group < end; group++) {
         __m512i w[4];
         for (int b = 0; b < blocks; b++) {
             const int8_t *p = weights + (long)b * k * 32 + 128L * group;
@@ -51,6 +54,27 @@ static inline __attribute__((always_inline)) void tile(
                 sums[r][j] = _mm512_dpbusd_epi32(sums[r][j], a, w[j]);
         }
     }
+}
+
+static inline __attribute__((always_inline)) void tile(
+    int rows, int blocks, const uint8_t *codes, int k, const int8_t *weights, const int32_t *offset,
+    const float *scale, const float *row_scale, const float *bias, const float *addend, float *out, int n,
+    int channels, const char *prefetch, long prefetch_lines)
+{
+    __m512i sums[ROWS][4];
+    int groups = k / 4;
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 2 * blocks; j++)
+            sums[r][j] = _mm512_setzero_si512();
+    if (!prefetch_lines)
+        multiply_add(rows, blocks, codes, k, weights, 0, groups, sums);
+    else  /* the lines of `prefetch` asked for in shares, one every CHUNK groups */
+        for (long start = 0, asked = 0; start < groups; start += CHUNK) {
+            int end = start + CHUNK < groups ? start + CHUNK : groups;
+            for (long due = prefetch_lines * end / groups; asked < due; asked++)
+                _mm_prefetch(prefetch + 64 * asked, _MM_HINT_T1);
+            multiply_add(rows, blocks, codes, k, weights, start, end, sums);
+        }
     for (int j = 0; j < 2 * blocks; j++) {
         int left = channels - 16 * j;
         if (left <= 0)
@@ -70,23 +94,41 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-/* Up to 4 rows at a time over `blocks` (1 or 2) blocks: `rows` a constant in each call, so each tile unrolls. */
+/* Up to ROWS rows at a time over `blocks` (1 or 2) blocks: `rows` a constant in each call, so each tile unrolls.
+ * The tiles share the prefetch of `next_lines` cache lines from `next`. */
 static inline __attribute__((always_inline)) void rows_of(
     int m, int blocks, const uint8_t *codes, int k, const int8_t *weights, const int32_t *offset,
     const float *scale, const float *row_scale, const float *bias, const float *addend, float *out, int n,
-    int channels)
+    int channels, const char *next, long next_lines)
 {
-    for (int r = 0; r < m; r += 4) {
+    int tiles = (m + ROWS - 1) / ROWS;
+    for (int r = 0, t = 0; r < m; r += ROWS, t++) {
         const uint8_t *c = codes + (long)r * k;
         const float *a = addend ? addend + (long)r * n : 0;
         float *o = out + (long)r * n;
-        switch (m - r < 4 ? m - r : 4) {
-        case 1: tile(1, blocks, c, k, weights, offset, scale, row_scale + r, bias, a, o, n, channels); break;
-        case 2: tile(2, blocks, c, k, weights, offset, scale, row_scale + r, bias, a, o, n, channels); break;
-        case 3: tile(3, blocks, c, k, weights, offset, scale, row_scale + r, bias, a, o, n, channels); break;
-        default: tile(4, blocks, c, k, weights, offset, scale, row_scale + r, bias, a, o, n, channels); break;
+        long first = next_lines * t / tiles, lines = next_lines * (t + 1) / tiles - first;
+        const char *p = next ? next + 64 * first : 0;
+        switch (m - r < ROWS ? m - r : ROWS) {
+        case 1: tile(1, blocks, c, k, weights, offset, scale, row_scale + r, bias, a, o, n, channels, p, lines); break;
+        case 2: tile(2, blocks, c, k, weights, offset, scale, row_scale + r, bias, a, o, n, channels, p, lines); break;
+        case 3: tile(3, blocks, c, k, weights, offset, scale, row_scale + r, bias, a, o, n, channels, p, lines); break;
+        default: tile(ROWS, blocks, c, k, weights, offset, scale, row_scale + r, bias, a, o, n, channels, p, lines);
         }
     }
+}
+
+/* `blocks` (1 or 2) blocks from block b, prefetching the pair `stride` blocks on where there are more rows than one
+ * tile and that pair is whole. */
+static inline __attribute__((always_inline)) void blocks_from(
+    int b, int blocks, int stride, const uint8_t *codes, int m, int k, const int8_t *weights, int n,
+    const int32_t *offset, const float *scale, const float *row_scale, const float *bias, const float *addend,
+    float *out)
+{
+    int next = b + stride;
+    long next_lines = stride && m > ROWS && next + 1 < (n + 31) / 32 ? 2L * k * 32 / 64 : 0;
+    const char *p = next_lines ? (const char *)(weights + (long)next * k * 32) : 0;  /* a group: 2 lines a block */
+    rows_of(m, blocks, codes, k, weights + (long)b * k * 32, offset + 32 * b, scale + 32 * b, row_scale,
+            bias ? bias + 32 * b : 0, addend ? addend + 32 * b : 0, out + 32 * b, n, n - 32 * b, p, next_lines);
 }
 
 /* codes [m, k] (k a multiple of 4), weights packed for n channels (offset and scale padded to the blocks),
@@ -95,12 +137,15 @@ void int8_gemm(const uint8_t *codes, int m, int k, const int8_t *weights, int n,
                const float *scale, const float *row_scale, const float *bias, const float *addend, float *out)
 {
     int blocks = (n + 31) / 32, team_size = (long)n * k < SPLIT_MIN_BYTES ? 1 : threads;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(team_size) if (team_size > 1)
-    for (int b = 0; b < blocks - 1; b += 2)  /* pairs of blocks */
-        rows_of(m, 2, codes, k, weights + (long)b * k * 32, offset + 32 * b, scale + 32 * b, row_scale,
-                bias ? bias + 32 * b : 0, addend ? addend + 32 * b : 0, out + 32 * b, n, n - 32 * b);
-    int b = blocks & ~1;
-    if (b < blocks)
-        rows_of(m, 1, codes, k, weights + (long)b * k * 32, offset + 32 * b, scale + 32 * b, row_scale,
-                bias ? bias + 32 * b : 0, addend ? addend + 32 * b : 0, out + 32 * b, n, n - 32 * b);
+    if (m <= ROWS) {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(team_size) if (team_size > 1)
+        for (int b = 0; b < blocks - 1; b += 2)  /* pairs of blocks */
+            blocks_from(b, 2, 0, codes, m, k, weights, n, offset, scale, row_scale, bias, addend, out);
+    } else {
+        #pragma omp parallel for schedule(static, 1) num_threads(team_size) if (team_size > 1)
+        for (int b = 0; b < blocks - 1; b += 2)
+            blocks_from(b, 2, 2 * team_size, codes, m, k, weights, n, offset, scale, row_scale, bias, addend, out);
+    }
+    if (blocks & 1)
+        blocks_from(blocks - 1, 1, 0, codes, m, k, weights, n, offset, scale, row_scale, bias, addend, out);
 }

@@ -85,7 +85,7 @@ def test_the_largest_codes_against_the_largest_weights_do_not_overflow() -> None
 
 
 @needs_vnni
-@pytest.mark.parametrize("rows, threads", [(1, 2), (4, 3), (5, 2), (9, 3)])
+@pytest.mark.parametrize("rows, threads", [(1, 2), (4, 3), (5, 2), (9, 3), (16, 2)])
 def test_a_product_split_over_threads_has_the_bits_of_one_thread(rows: int, threads: int,
                                                                   restore_threads: None) -> None:
     # 1,049 channels (16 pairs of blocks of 32, then a partial block alone) x 256 inputs: 262 KiB of weights, over
