@@ -26,6 +26,13 @@ from types import TracebackType
 NGC_BACKEND_DIR = Path("/opt/tritonserver/backends")
 SHM_DIR = Path("/dev/shm")
 LOG_TAIL_LINES = 40
+# A load that times out: the engine model (model_repository/tensorrt_llm/1/model.py) writes every thread's
+# Python stack to the log on this signal, and the error shows them (a few hundred lines for ~15 threads).
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+STACK_DUMP_TAIL_LINES = 400
+STACK_DUMP_MARKER = "(most recent call first)"  # faulthandler's header of each thread's stack
+STACK_DUMP_WAIT_S = 5.0
+STUB_PROGRAM = "triton_python_backend_stub"
 
 
 class TritonNotFoundError(RuntimeError):
@@ -266,8 +273,10 @@ class TritonServer:
             if self.is_ready():
                 return time.monotonic() - started
             if time.monotonic() >= deadline:
+                lines = STACK_DUMP_TAIL_LINES if self.dump_stub_stacks() else LOG_TAIL_LINES
                 raise TritonStartError(
-                    f"tritonserver (model {self.model_name!r}) not ready after {timeout_s:.0f} s\n{self.log_tail()}"
+                    f"tritonserver (model {self.model_name!r}) not ready after {timeout_s:.0f} s\n"
+                    f"{self.log_tail(lines)}"
                 )
             time.sleep(0.25)
 
@@ -276,6 +285,36 @@ class TritonServer:
         restart instead of blocking in wait_ready, so it keeps watching the frontend meanwhile)."""
         urls = [self._url("/v2/health/ready"), self._url(f"/v2/models/{self.model_name}/ready")]
         return all(_http_ok(url) for url in urls)
+
+    def dump_stub_stacks(self) -> bool:
+        """Have this server's Python-backend stubs write their threads' Python stacks to the log, so that a
+        load that never ends says where it waits; True once a dump reached the log (waits up to
+        STACK_DUMP_WAIT_S for it). Only stubs that catch STACK_DUMP_SIGNAL are signalled: SIGUSR1's default
+        action would kill another model's stub."""
+        if self._proc is None or self._proc.poll() is not None:
+            return False
+        stubs = [pid for pid in group_members(self._proc.pid)
+                 if pid != self._proc.pid and _program(pid) == STUB_PROGRAM and catches_signal(pid, STACK_DUMP_SIGNAL)]
+        if not stubs:
+            return False
+        try:
+            start = self._log_file.stat().st_size
+        except OSError:
+            return False
+        for pid in stubs:
+            try:
+                os.kill(pid, STACK_DUMP_SIGNAL)
+            except (ProcessLookupError, PermissionError):
+                continue
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        while time.monotonic() < deadline:
+            with open(self._log_file, "rb") as log:
+                log.seek(start)
+                if STACK_DUMP_MARKER.encode() in log.read():
+                    time.sleep(0.5)  # the other stubs' dumps, and the rest of this one's threads
+                    return True
+            time.sleep(0.1)
+        return False
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """Error lines of the whole log, then its last lines, framed, for error messages.
@@ -371,6 +410,43 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def group_members(pgid: int) -> list[int]:
+    """The pids of the process group `pgid` (from /proc: field 5 of /proc/<pid>/stat is the group)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ", which may hold spaces
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def catches_signal(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler for `sig` (SigCgt in /proc/<pid>/status: a hex mask, bit sig-1)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    return False
+
+
+def _program(pid: int) -> str:
+    """The file name of the program process `pid` runs ("" when gone)."""
+    try:
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0]
+    except OSError:
+        return ""
+    return Path(argv0.decode(errors="replace")).name
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -19,6 +19,8 @@ metrics. Knobs (all optional):
 - `test_crash_seed` (int): a request whose `seed` equals it makes the engine loop raise outside
   `scheduler.step()` (after the step that admitted it), which kills the engine thread: see the failure
   guard in cpu_engine/engine.py and what model.py then does with Triton's readiness.
+- `test_hang_in_initialize` (int, 1 = on): initialize() loads the engine as usual, logs HANG_MESSAGE and
+  then never returns, as a load that hangs: the model never becomes ready (for the launcher's stack dump).
 
 This module is imported in two places: by the test process (add_knob_model only; no Triton there) and
 inside the Python-backend stub (TritonPythonModel). The model class is therefore built on first access,
@@ -47,8 +49,10 @@ KNOB_TYPES: dict[str, type] = {
     "test_hold_first_response_s": float,
     "test_fail_seed": int,
     "test_crash_seed": int,
+    "test_hang_in_initialize": int,
 }
 INJECTED_FAILURE = "injected failure"
+HANG_MESSAGE = "hanging in initialize on purpose (test_hang_in_initialize)"
 _NAME_LINE = re.compile(r'^name:\s*"[^"]*"\s*$', re.MULTILINE)
 
 
@@ -102,6 +106,7 @@ class Knobs:
     hold_first_response_s: float = 0.0
     fail_seed: int | None = None
     crash_seed: int | None = None
+    hang_in_initialize: bool = False
 
     @classmethod
     def from_model_config(cls, config: dict[str, Any]) -> "Knobs":
@@ -113,7 +118,8 @@ class Knobs:
 
         return cls(step_delay_s=knob("test_step_delay_s") or 0.0,
                    hold_first_response_s=knob("test_hold_first_response_s") or 0.0,
-                   fail_seed=knob("test_fail_seed"), crash_seed=knob("test_crash_seed"))
+                   fail_seed=knob("test_fail_seed"), crash_seed=knob("test_crash_seed"),
+                   hang_in_initialize=bool(knob("test_hang_in_initialize")))
 
 
 def _production_module() -> ModuleType:
@@ -174,6 +180,12 @@ def _build_model_class() -> type:
             self.knobs = Knobs.from_model_config(json.loads(args["model_config"]))
             pb_utils.Logger.log_warn(f"{args['model_name']}: TEST MODEL with knobs {self.knobs}")
             super().initialize(args)
+            if self.knobs.hang_in_initialize:
+                self._hang_in_initialize()
+
+        def _hang_in_initialize(self) -> None:
+            pb_utils.Logger.log_warn(HANG_MESSAGE)
+            threading.Event().wait()  # until tritonserver is killed
 
         def _make_channel(self):
             if self.knobs.hold_first_response_s > 0:

@@ -19,13 +19,14 @@ import httpx
 import pytest
 
 from launcher.ports import find_free_port
-from launcher.tritonserver import TritonServer
+from launcher.tritonserver import STACK_DUMP_MARKER, TritonServer, TritonStartError
 from tests.integration.conftest import start_frontend, stop_process, wait_http_ok
-from tests.integration.engine_knobs import add_knob_model
+from tests.integration.engine_knobs import HANG_MESSAGE, add_knob_model
 
 pytestmark = pytest.mark.integration
 
 CRASH_MODEL, CRASH_SEED = "tensorrt_llm_crash", 666
+HANG_MODEL = "tensorrt_llm_hang"
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +83,32 @@ async def test_an_engine_thread_that_dies_fails_open_streams_and_turns_readiness
         later = await http.post(f"{root}/v1/completions", json={**body, "max_tokens": 2})
         # at once: no waiting for a slot or a deadline (REQUEST_TIMEOUT_S is minutes); generous for a busy machine
         assert later.status_code == 503 and time.monotonic() - refused_at < 30, later.text
+
+
+def test_a_load_that_never_ends_fails_with_the_stacks_of_the_stub_threads(built_engine: Path, tmp_path: Path) -> None:
+    """A model whose initialize() never returns: waiting for readiness times out with every Python thread's
+    stack of the model's stub in the error (model.py registers the dump signal, the launcher sends it), so a
+    load that hangs (in CI too) says where it waits."""
+    repository = tmp_path / "model_repository"
+    shutil.copytree(built_engine / "model_repository" / "tensorrt_llm", repository / "tensorrt_llm")
+    add_knob_model(repository, HANG_MODEL, test_hang_in_initialize=1)
+    shutil.rmtree(repository / "tensorrt_llm")
+    log = tmp_path / "tritonserver.log"
+    http, grpc, metrics = (find_free_port() for _ in range(3))
+    triton = TritonServer(repository, http_port=http, grpc_port=grpc, metrics_port=metrics, log_file=log,
+                          work_dir=built_engine, model_name=HANG_MODEL)
+    triton.start()
+    try:
+        deadline = time.monotonic() + 300
+        while HANG_MESSAGE not in log.read_text(errors="replace"):  # the engine loaded; initialize hangs now
+            assert triton.poll() is None and time.monotonic() < deadline, triton.log_tail()
+            time.sleep(0.1)
+        with pytest.raises(TritonStartError) as failure:
+            triton.wait_ready(0)
+    finally:
+        triton.stop(grace_s=5)
+    message = str(failure.value)
+    assert f"model {HANG_MODEL!r}) not ready after 0 s" in message
+    assert STACK_DUMP_MARKER in message, message
+    assert "in _hang_in_initialize" in message, message  # the stuck thread, where it waits
+    assert "cpu_engine/engine.py" in message, message  # and the others: the engine thread's loop

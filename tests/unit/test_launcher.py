@@ -12,6 +12,8 @@ import os
 import shlex
 import signal
 import socket
+import subprocess
+import sys
 import textwrap
 import threading
 import urllib.request
@@ -27,8 +29,8 @@ from launcher import engine_health
 from launcher.engine_health import EngineHealth, Problem
 from launcher.ports import PortInUseError, check_ports_free, find_free_port
 from launcher.supervise import RestartBudget, RestartBudgetExceeded, Supervisor, describe_exit
-from launcher.tritonserver import (TritonServer, TritonStartError, find_tritonserver, group_alive,
-                                  remove_shm_regions)
+from launcher.tritonserver import (STACK_DUMP_SIGNAL, TritonServer, TritonStartError, catches_signal,
+                                  find_tritonserver, group_alive, group_members, remove_shm_regions)
 
 IDENTITY_CONFIG = """\
 name: "identity"
@@ -161,6 +163,24 @@ def test_wait_ready_reports_broken_config_with_log(work_dir: Path, tmp_path: Pat
     message = str(info.value)
     assert "exited with code" in message
     assert str(server.log_file) in message and "TYPE_NOT_A_TYPE" in message
+
+
+def test_only_a_process_that_catches_the_dump_signal_counts_as_catching_it() -> None:
+    """The launcher sends the stack-dump signal only where it is caught: its default action kills."""
+    ready = "import sys, time; print('ready', flush=True); time.sleep(60)"
+    with_handler = f"import faulthandler, signal; faulthandler.register(signal.{STACK_DUMP_SIGNAL.name}); {ready}"
+    children = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+                for code in (with_handler, ready)]
+    try:
+        for child in children:
+            assert child.stdout.readline() == b"ready\n"  # its handler, if any, is in place
+        assert [catches_signal(child.pid, STACK_DUMP_SIGNAL) for child in children] == [True, False]
+        assert [group_members(child.pid) for child in children] == [[child.pid] for child in children]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert not catches_signal(children[0].pid, STACK_DUMP_SIGNAL)  # gone
 
 
 # ----- supervision: restart budget, back-off, which process died ---------------------------------------

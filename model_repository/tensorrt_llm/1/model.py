@@ -46,7 +46,9 @@ reports it not ready where it can. Measured with the tritonserver 2.51 of the nv
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
+import signal
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -62,6 +64,7 @@ from cpu_engine.scheduler import (STOPPED_BY_ID, EngineStats, FinishReason, Gene
                                   new_request_id)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+STACK_DUMP_SIGNAL = signal.SIGUSR1  # launcher.tritonserver.STACK_DUMP_SIGNAL sends it
 
 
 def _scalar(request, name: str, default=None):
@@ -335,6 +338,9 @@ class TritonPythonModel:
     reads_version_directory = True
 
     def initialize(self, args):
+        # `kill -USR1 <stub pid>` writes every thread's Python stack to Triton's log, the stub's stderr: a model
+        # whose load or step never ends can be read in place (the launcher does it when a load times out).
+        faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException(
