@@ -16,24 +16,13 @@
  * prefetches its share of the thread's next block (spread over the j loop), and the next tiles' arithmetic runs
  * while it comes: a `small` step's 49 products of 16 rows from memory, two threads, 8-16% faster.
  */
-#include <immintrin.h>
+#include "gemm_common.h"
 
 #define ROWS 6    /* a tile's rows */
 #define BLOCKS 4  /* a tile's blocks of 16 channels */
 #define CHUNK 16  /* inputs between a tile's prefetches */
 
-/* Threads (cpu_engine/native.py, set_threads): a product whose weights take at least SPLIT_MIN_BYTES splits its
- * blocks of channels over `threads` threads. Each block, so each output, is still one thread's chain in the same
- * order: the bits do not depend on the threads. With up to ROWS rows blocks are handed out one at a time
- * (dynamic), so a thread the rest of the stack pushed off its core holds up one block, not its share; with more,
- * thread t takes blocks t, t + threads, ... (static), so that it knows which block to prefetch. */
-#define SPLIT_MIN_BYTES (256L << 10)
-static int threads = 1;
-
-void float32_gemm_threads(int threads_)
-{
-    threads = threads_;
-}
+KERNEL_THREADS(float32_gemm)
 
 /* sums[r][b] += x[r][j] w[b][j] for j = start .. end - 1, in order. */
 static inline __attribute__((always_inline)) void multiply_add(
@@ -59,20 +48,16 @@ static inline __attribute__((always_inline)) void tile(
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < blocks; b++)
             sums[r][b] = _mm512_setzero_ps();
-    if (!prefetch_lines)
-        multiply_add(rows, blocks, x, k, weights, 0, k, sums);
-    else  /* the lines of `prefetch` asked for in shares, one every CHUNK inputs */
-        for (long start = 0, asked = 0; start < k; start += CHUNK) {
-            int end = start + CHUNK < k ? start + CHUNK : k;
-            for (long due = prefetch_lines * end / k; asked < due; asked++)
-                _mm_prefetch(prefetch + 64 * asked, _MM_HINT_T1);
-            multiply_add(rows, blocks, x, k, weights, start, end, sums);
-        }
+    long asked = 0;
+    for (int start = 0, end; start < k; start = end) {
+        end = pass_end(start, k, CHUNK, prefetch, prefetch_lines, &asked);
+        multiply_add(rows, blocks, x, k, weights, start, end, sums);
+    }
     for (int b = 0; b < blocks; b++) {
         int left = channels - 16 * b;
         if (left <= 0)
             break;
-        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __mmask16 mask = lanes(left);
         for (int r = 0; r < rows; r++) {
             __m512 v = sums[r][b];
             if (bias)

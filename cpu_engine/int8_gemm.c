@@ -15,24 +15,16 @@
  * (as cpu_engine/float32_gemm.c does, which says why): the tiles that read the pair from L2 compute while the next
  * one comes from memory.
  */
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
-/* Threads (cpu_engine/native.py, set_threads): a product whose weights take at least SPLIT_MIN_BYTES splits its
- * blocks of channels over `threads` threads. Each block, so each output, is still one thread's chain in the same
- * order: the bits do not depend on the threads. With up to ROWS rows pairs of blocks are handed out one at a time
- * (dynamic), so a thread the rest of the stack pushed off its core holds up one pair, not its share; with more,
- * thread t takes pairs t, t + threads, ... (static), so that it knows which pair to prefetch. */
-#define SPLIT_MIN_BYTES (256L << 10)
+#include "gemm_common.h"
+
+/* The team splits pairs of blocks (gemm_common.h says how). */
 #define ROWS 4     /* a tile's rows */
 #define CHUNK 16   /* groups of 4 inputs between a tile's prefetches */
-static int threads = 1;
 
-void int8_gemm_threads(int threads_)
-{
-    threads = threads_;
-}
+KERNEL_THREADS(int8_gemm)
 
 /* sums[r][j] += the products of groups start .. end - 1 (4 inputs each), in order. */
 static inline __attribute__((always_inline)) void multiply_add(
@@ -66,20 +58,16 @@ static inline __attribute__((always_inline)) void tile(
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 2 * blocks; j++)
             sums[r][j] = _mm512_setzero_si512();
-    if (!prefetch_lines)
-        multiply_add(rows, blocks, codes, k, weights, 0, groups, sums);
-    else  /* the lines of `prefetch` asked for in shares, one every CHUNK groups */
-        for (long start = 0, asked = 0; start < groups; start += CHUNK) {
-            int end = start + CHUNK < groups ? start + CHUNK : groups;
-            for (long due = prefetch_lines * end / groups; asked < due; asked++)
-                _mm_prefetch(prefetch + 64 * asked, _MM_HINT_T1);
-            multiply_add(rows, blocks, codes, k, weights, start, end, sums);
-        }
+    long asked = 0;
+    for (int start = 0, end; start < groups; start = end) {
+        end = pass_end(start, groups, CHUNK, prefetch, prefetch_lines, &asked);
+        multiply_add(rows, blocks, codes, k, weights, start, end, sums);
+    }
     for (int j = 0; j < 2 * blocks; j++) {
         int left = channels - 16 * j;
         if (left <= 0)
             break;
-        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __mmask16 mask = lanes(left);
         __m512i off = _mm512_loadu_si512((const void *)(offset + 16 * j));
         __m512 s = _mm512_loadu_ps(scale + 16 * j);
         for (int r = 0; r < rows; r++) {

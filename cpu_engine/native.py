@@ -3,9 +3,10 @@ loaded only where no one else could have put them.
 
 Each file is compiled with the system's C compiler (`CC`, else `cc`) into NUMBA_CACHE_DIR (where numba's
 compiled kernels also go; the package's __pycache__ when unset, else a directory of this user's own in the temp
-directory), once per source, flags and compiler, and loaded only from a file and directory that this user owns
-and no one else may write. Without a compiler, or on a CPU without the instructions a kernel needs, `load` says
-why in the server log and returns None: the engine keeps PyTorch's kernels there.
+directory), once per source (with the headers it includes: cpu_engine/gemm_common.h), flags and compiler, and
+loaded only from a file and directory that this user owns and no one else may write. Without a compiler, or on
+a CPU without the instructions a kernel needs, `load` says why in the server log and returns None: the engine
+keeps PyTorch's kernels there.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -55,11 +57,27 @@ def _trusted(library: Path) -> bool:
     return True
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def _source_text(source: Path, seen: frozenset[Path] = frozenset()) -> bytes:
+    """`source` and, after it, every file it includes with `#include "..."` (from its own directory, as the
+    compiler finds them), recursively: what the library's name must change with, or an edited header would
+    leave the old library in use."""
+    text = source.read_bytes()
+    for name in _LOCAL_INCLUDE.findall(text):
+        header = (source.parent / name.decode()).resolve()
+        if header not in seen:
+            text += _source_text(header, seen | {source.resolve(), header})
+    return text
+
+
 def compile_library(source: Path, flags: tuple[str, ...]) -> Path:
-    """The compiled library, built once per source, flags and compiler: a process that finds it skips the
-    compiler; concurrent first starts each write their own file and rename it into place."""
+    """The compiled library, built once per source (with the headers it includes), flags and compiler: a
+    process that finds it skips the compiler; concurrent first starts each write their own file and rename it
+    into place."""
     compiler = os.environ.get("CC", "cc")
-    digest = hashlib.sha256(source.read_bytes() + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_source_text(source) + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     name = f"{source.stem}-{digest}.so"
     for directory in library_dirs():
         if (directory / name).is_file() and _trusted(directory / name):

@@ -3,6 +3,7 @@ what the engine runs without them."""
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import shutil
 from pathlib import Path
@@ -31,6 +32,26 @@ def test_the_library_is_built_once_and_found_again(kernel, tmp_path: Path, monke
     assert library.stat().st_mtime_ns == built
     library.chmod(0o666)  # a file others may write is never loaded: built again, in its place
     assert native.compile_library(kernel.SOURCE, kernel.FLAGS) == library and library.stat().st_mode & 0o022 == 0
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_an_edited_header_builds_a_new_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library's name covers the headers its source includes: after an edit to one (here one included
+    through another) the new code runs, not the library built before it."""
+    monkeypatch.setattr(native, "library_dirs", lambda: [tmp_path / "cache"])
+    source = tmp_path / "answer.c"
+    source.write_text('#include "outer.h"\nint answer(void) { return VALUE; }\nvoid answer_threads(int t) {}\n')
+    (tmp_path / "outer.h").write_text('#include "inner.h"\n')
+    flags = ("-O1", "-fPIC", "-shared")
+
+    def answer() -> int:
+        return ctypes.CDLL(str(native.compile_library(source, flags))).answer()
+
+    (tmp_path / "inner.h").write_text("#define VALUE 41\n")
+    first = native.compile_library(source, flags)
+    assert answer() == 41
+    (tmp_path / "inner.h").write_text("#define VALUE 42\n")
+    assert native.compile_library(source, flags) != first and answer() == 42
 
 
 def test_a_failed_compile_is_an_error_that_leaves_nothing_behind(tmp_path: Path,
