@@ -438,6 +438,9 @@ class TritonProcess:
 
     def stop(self, *, failed: bool = False) -> None:
         if failed:
+            # A server taken down as hung or not serving: its stubs' thread stacks go to its log first (kept
+            # as the rotated log after the restart), so that a load or step that never ends says where.
+            self.server.dump_stub_stacks()
             self.server.stop(LEFTOVER_STOP_GRACE_S)
         else:
             self.server.stop()
