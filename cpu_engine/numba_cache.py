@@ -24,12 +24,6 @@ from numba.core import caching, config
 _watched: set[Path] = set()
 
 
-def watch(package_dir: Path) -> None:
-    """Stamp the kernels of the modules in `package_dir` with the hash of its modules that hold numba code."""
-    _watched.add(Path(package_dir).resolve())
-    sources_stamp.cache_clear()
-
-
 @functools.cache
 def sources_stamp(package_dir: Path) -> str:
     digest = hashlib.sha256()
@@ -77,9 +71,11 @@ class UserWideLocator(_PackageStamped, caching.UserWideCacheLocator):
 
 
 def install(package_dir: Path) -> None:
-    """Watch `package_dir` and put the stamped locators ahead of numba's own (numba tries them in order; each
-    declines functions outside the watched packages, which then get numba's usual locators)."""
-    watch(package_dir)
+    """Stamp the kernels of the modules in `package_dir` with the hash of its modules that hold numba code: put
+    the stamped locators ahead of numba's own (numba tries them in order; each declines functions outside the
+    watched packages, which then get numba's usual locators)."""
+    _watched.add(Path(package_dir).resolve())
+    sources_stamp.cache_clear()
     ours = [f"{__name__}.{cls.__name__}" for cls in (UserProvidedLocator, InTreeLocator, UserWideLocator)]
     current = config.CACHE_LOCATOR_CLASSES or ",".join(
         f"{cls.__module__}.{cls.__qualname__}" for cls in caching.CacheImpl._locator_classes)
