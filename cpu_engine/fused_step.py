@@ -26,8 +26,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from cpu_engine import float32_gemm, vnni_gemm
 from cpu_engine.paged_attention import decode_attention_into
@@ -45,6 +47,26 @@ def _row_kernel_for(gemm, x, mode, norm_weight, eps, packed, bias, addend):  # p
     kernel = vnni_gemm.project_rows if packed.types[0].dtype == types.int8 else float32_gemm.project_rows
     return lambda gemm, x, mode, norm_weight, eps, packed, bias, addend: kernel(
         gemm, x, mode, norm_weight, eps, packed, bias, addend)
+
+
+@intrinsic
+def _team_size(typingctx, threads):  # pragma: no cover (compiled)
+    """Sets this thread's numba team to `threads` (<= NUMBA_NUM_THREADS) and returns the size it had: numba's
+    own set_num_threads and get_num_threads, called by the symbols its threading layer registers (what numba's
+    parallel loops call) instead of through the ctypes pointers that `numba.set_num_threads` uses in compiled
+    code, which numba cannot cache (each process would compile the step again, ~10 s). The caller has started
+    numba's threads (any numba.get_num_threads() call does)."""
+    int32 = ir.IntType(32)
+
+    def codegen(context, builder, signature, args):
+        module = builder.module
+        get = cgutils.get_or_insert_function(module, ir.FunctionType(int32, []), "get_num_threads")
+        set_ = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), [int32]), "set_num_threads")
+        before = builder.call(get, [])
+        builder.call(set_, [builder.trunc(args[0], int32)])
+        return builder.sext(before, ir.IntType(64))
+
+    return types.int64(threads), codegen
 
 
 @numba.njit(boundscheck=False, nogil=True, cache=True)
@@ -71,8 +93,10 @@ def decode_layers(gemm, hidden, layers, cos, sin_signed, places, k_pools, v_pool
     `layers`: one tuple a layer, (input norm weight, its eps, qkv packed weight, qkv bias, o_proj packed weight,
     o_proj bias, post-attention norm weight, its eps, gate_up packed weight, gate_up bias, down packed weight, down
     bias): every weight packed for `gemm`'s kernel, biases empty where there are none. k_pools / v_pools [layers,
-    positions, kv_heads, head_dim] (the runner's pools); cos / sin_signed, places, tables, lengths, threads and
-    shape as the runner passes them to rotate_and_store and paged_attention."""
+    positions, kv_heads, head_dim] (the runner's pools); cos / sin_signed, places, tables, lengths and shape as the
+    runner passes them to rotate_and_store and paged_attention; `threads`: the team attention runs on, numba's
+    setting put back after it (the runner's wide_attention_threads: a long context's step stays one call, its
+    attention on every core and the rest on the caller's setting)."""
     batch = hidden.shape[0]
     kv_heads, dim = len(shape[0]), len(shape[2])
     heads = kv_heads * len(shape[1])
@@ -84,7 +108,10 @@ def decode_layers(gemm, hidden, layers, cos, sin_signed, places, k_pools, v_pool
             down_bias = layers[i]
         rows = project_rows(gemm, hidden, NORMED, input_norm, input_eps, qkv, qkv_bias, no_rows)
         rotate_and_store(rows, heads, kv_heads, cos, sin_signed, places, k_pools[i], v_pools[i], q)
+        narrow = _team_size(threads) if threads > 1 else 1  # a long-context step's attention on the wide team
         decode_attention_into(q, k_pools[i], v_pools[i], tables, lengths, block_size, scale, threads, shape, attention)
+        if threads > 1:
+            _team_size(narrow)
         hidden = project_rows(gemm, attention.reshape(batch, heads * dim), PLAIN, no_row, no_eps, o_proj, o_bias,
                               hidden)
         rows = project_rows(gemm, hidden, NORMED, post_norm, post_eps, gate_up, gate_up_bias, no_rows)

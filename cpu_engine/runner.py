@@ -435,14 +435,15 @@ class LlamaRunner:
                 numba.set_num_threads(narrow)
 
     def _step_in_one_call(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
-                          logits_rows: list[int]) -> torch.Tensor:
-        """The logits of a step of decode rows only, in one numba call (fused_step.decode_step)."""
+                          logits_rows: list[int], wide: int) -> torch.Tensor:
+        """The logits of a step of decode rows only, in one numba call (fused_step.decode_step); its attention
+        on `wide` threads where not 0 (the rest on this thread's numba setting)."""
         per_row = -(-(max(decode_positions) + 1) // self.block_size)
         # Rows shorter than the longest are padded with block 0: never read (the kernel stops at each row's length).
         tables = np.zeros((len(decode_blocks), per_row), dtype=np.int64)
         for row, table in zip(tables, decode_blocks):
             row[:min(len(table), per_row)] = table[:per_row]
-        threads = numba.get_num_threads()
+        threads = wide or numba.get_num_threads()
         previous = numba.set_parallel_chunksize(1) if threads > 1 else 0  # as paged_decode_attention sets it
         head, norm = self.lm_head, self.norm
         try:
@@ -493,8 +494,8 @@ class LlamaRunner:
         num_decode = len(decode_blocks)
         reads = (sum(decode_positions) + num_decode) * self.kv_bytes_per_position  # a layer's decode attention's K/V
         wide = self.wide_attention_threads if self.in_place_decode and reads >= WIDE_ATTENTION_MIN_KV_BYTES else 0
-        if self.one_call_decode is not None and num_decode and not chunks and logits_rows and not wide:
-            return self._step_in_one_call(token_ids, decode_blocks, decode_positions, logits_rows)
+        if self.one_call_decode is not None and num_decode and not chunks and logits_rows:
+            return self._step_in_one_call(token_ids, decode_blocks, decode_positions, logits_rows, wide)
         block_size = self.block_size
         positions = list(decode_positions)
         places = [table[p // block_size] * block_size + p % block_size

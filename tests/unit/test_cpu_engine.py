@@ -201,20 +201,34 @@ def test_a_projection_gives_a_row_the_same_bits_in_any_batch(shape: tuple[int, i
     assert bfloat16.kernel != "float32-gemm" and (bfloat16.min_rows == 0 or not bfloat16.uses_onednn)
 
 
-@pytest.mark.parametrize("chunks_as_rows", [True, False], ids=["chunks-as-decode-rows", "chunk-kernel"])
+@pytest.mark.parametrize("chunks_as_rows, wide", [(True, False), (False, False), (True, True)],
+                         ids=["chunks-as-decode-rows", "chunk-kernel", "wide-attention"])
 def test_an_engine_on_our_kernels_steps_the_same_bits_fused_and_unfused(checkpoint: Path, weights: Path | None,
-                                                                        chunks_as_rows: bool,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                        chunks_as_rows: bool, wide: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        request: pytest.FixtureRequest) -> None:
     """The runner's decode-only steps in one numba call (fused_step, on our float32 or VNNI kernel), its fused
     layers one by one (FusedLayer.fused), and every layer unfused: the same logits, bit for bit, through prompts,
     batched decode steps and a mixed step, so a sequence decodes the same in a decode-only step and beside
     another's prompt; with the prompt chunks read as decode rows (then the mixed step runs in one call too) and
-    by the chunk attention kernel (the bound at 0: the mixed step runs the layer loop)."""
+    by the chunk attention kernel (the bound at 0: the mixed step runs the layer loop); and with every step's
+    decode attention on a wider team than the rest of the step (runner.wide_attention_threads, as the engine
+    sets it on 2 cores: the one call switches numba's team around attention itself)."""
+    import numba
+
     if not chunks_as_rows:
         monkeypatch.setattr(runner_module, "ROWS_AS_DECODE_MAX_KV_BYTES", 0)
+    if wide and numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba's team has one thread here: there is no wider team to run attention on")
     config = EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4,
                           int8_weights=weights)
     runner = LlamaRunner(config)
+    narrow = numba.get_num_threads()
+    request.addfinalizer(lambda: numba.set_num_threads(narrow))
+    if wide:
+        monkeypatch.setattr(runner_module, "WIDE_ATTENTION_MIN_KV_BYTES", 0)
+        runner.wide_attention_threads = 2
+        numba.set_num_threads(1)
     ours = float32_gemm.gemm() if weights is None else vnni_gemm.gemm()
     assert (runner.one_call_decode is not None) == (ours is not None)
     assert all(layer.fused for layer in runner.layers) == (ours is not None or (
@@ -245,7 +259,9 @@ def test_an_engine_on_our_kernels_steps_the_same_bits_fused_and_unfused(checkpoi
     layer_by_layer = steps()
     for layer in runner.layers:
         layer.fused = False
-    for a, b, c in zip(one_call, layer_by_layer, steps(), strict=True):
+    unfused = steps()
+    assert numba.get_num_threads() == (1 if wide else narrow)  # the wide team never leaks past a step
+    for a, b, c in zip(one_call, layer_by_layer, unfused, strict=True):
         assert torch.equal(a, b) and torch.equal(b, c)
 
 
@@ -814,22 +830,46 @@ def test_auto_threads_put_our_kernels_on_every_core_where_a_batch_1_step_is_long
         assert ("), on 2 threads; 1 threads" in engine.describe()) == (ours and expected == 2)
 
 
+def test_the_decode_step_sets_and_restores_numbas_team_itself(request: pytest.FixtureRequest) -> None:
+    """fused_step._team_size, what the one-call decode step switches attention's team with: it sets the calling
+    thread's numba team as numba.set_num_threads does (numba's own setting reads it back) and returns the size
+    before, so the step can put it back."""
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba's team has one thread here: there is no other size to switch to")
+
+    @numba.njit
+    def switch_and_back(threads):
+        before = fused_step._team_size(threads)
+        inside = numba.get_num_threads()
+        fused_step._team_size(before)
+        return before, inside, numba.get_num_threads()
+
+    narrow = numba.get_num_threads()
+    request.addfinalizer(lambda: numba.set_num_threads(narrow))
+    numba.set_num_threads(1)
+    assert switch_and_back(2) == (1, 2, 1)
+    assert numba.get_num_threads() == 1
+
+
 @pytest.mark.parametrize("min_kv_bytes, wide", [(0, True), (1 << 40, False)])
 def test_long_context_decode_attention_uses_the_core_left_to_the_stack(
         checkpoint: Path, monkeypatch: pytest.MonkeyPatch, min_kv_bytes: int, wide: bool) -> None:
     """cpu_num_threads 0 on 2 cores: the step runs on one thread, but decode attention that reads at least
     WIDE_ATTENTION_MIN_KV_BYTES of K/V a layer runs on both cores (as many as numba's team has), and the
-    thread's setting is back to one for everything after it. Attention runs in the layer loop or, in a step of
-    decode rows that is not wide, inside the decode step's one numba call (fused_step): both recorded."""
+    thread's setting is back to one for everything after it. Attention runs in the layer loop (recorded: the
+    thread's numba setting) or inside the decode step's one numba call (fused_step; recorded: the threads it is
+    told to run attention on, where it sets numba's team itself)."""
     import numba
 
     import cpu_engine.runner as runner_module
 
     in_attention, at_forward = [], []
 
-    def recording(real):
+    def recording(real, threads_argument=None):
         def call(*args, **kwargs):
-            in_attention.append(numba.get_num_threads())
+            in_attention.append(numba.get_num_threads() if threads_argument is None else args[threads_argument])
             return real(*args, **kwargs)
         return call
 
@@ -839,7 +879,7 @@ def test_long_context_decode_attention_uses_the_core_left_to_the_stack(
             return super().forward(*args, **kwargs)
 
     monkeypatch.setattr(runner_module, "paged_decode_attention", recording(runner_module.paged_decode_attention))
-    monkeypatch.setattr(fused_step, "decode_step", recording(fused_step.decode_step))
+    monkeypatch.setattr(fused_step, "decode_step", recording(fused_step.decode_step, threads_argument=12))
     monkeypatch.setattr(runner_module, "WIDE_ATTENTION_MIN_KV_BYTES", min_kv_bytes)
     with engine_on_cores(checkpoint, monkeypatch, 2, RecordingRunner, 4) as engine:
         both = min(2, numba.config.NUMBA_NUM_THREADS)  # numba's team cannot grow past NUMBA_NUM_THREADS
