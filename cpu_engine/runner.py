@@ -443,7 +443,8 @@ class LlamaRunner:
         tables = np.zeros((len(decode_blocks), per_row), dtype=np.int64)
         for row, table in zip(tables, decode_blocks):
             row[:min(len(table), per_row)] = table[:per_row]
-        threads = wide or numba.get_num_threads()
+        narrow = numba.get_num_threads()  # also starts numba's threads: fused_step._team_size needs them
+        threads = wide or narrow
         previous = numba.set_parallel_chunksize(1) if threads > 1 else 0  # as paged_decode_attention sets it
         head, norm = self.lm_head, self.norm
         try:
