@@ -66,7 +66,7 @@ from benchmarks import servers
 from benchmarks.loadgen import DEFAULT_PROMPTS, TritonTarget, percentile, run_level
 from build_engine.cpu_engine_builder import write_int8_weights
 from cpu_engine import float32_gemm, native
-from cpu_engine.config import EngineConfig
+from cpu_engine.config import KV_CACHE_DTYPES, EngineConfig
 from cpu_engine.int8 import Int8Projection, load_int8_weights
 from cpu_engine.runner import Chunk, LlamaRunner
 
@@ -426,7 +426,7 @@ def run_weights(engine_dir: Path, quick: bool) -> dict:
     return {"quality": quality, "steps": steps, "weights_read_mb": weight_mb, "torch_threads": torch.get_num_threads()}
 
 
-def run_contexts(engine_dir: Path, quick: bool, wide_attention_threads: int = 0) -> dict:
+def run_contexts(engine_dir: Path, quick: bool, wide_attention_threads: int = 0, kv_cache_dtype: str = "auto") -> dict:
     """(l): plain decode steps at batch 1 and 16 from each of CONTEXTS (32: after a 32-token prompt, as in
     (c); else over the cache as it is, see `plain_decode_seconds`), rounds interleaved, each run with the
     attention kernel timed (`scenarios.attention_timer`: a few µs per layer); of each (batch, context), the
@@ -439,7 +439,7 @@ def run_contexts(engine_dir: Path, quick: bool, wide_attention_threads: int = 0)
     longest = max(CONTEXTS) + 3 + steps
     per_sequence = -(-longest // base.kv_block_size) * base.kv_block_size
     runner = LlamaRunner(dataclasses.replace(base, max_batch_size=16, max_seq_len=max(base.max_seq_len, longest),
-                                             kv_cache_tokens=16 * per_sequence))
+                                             kv_cache_tokens=16 * per_sequence, kv_cache_dtype=kv_cache_dtype))
     runner.wide_attention_threads = wide_attention_threads  # as the engine sets it when it leaves cores free
     start_of = {context: 0 if context == 32 else context for context in CONTEXTS}  # 32: a real 32-token prompt
     runs: dict[tuple[int, int], list[tuple[float, float, dict]]] = {}
@@ -453,7 +453,8 @@ def run_contexts(engine_dir: Path, quick: bool, wide_attention_threads: int = 0)
     layers = len(runner.layers)
     kv_bytes_per_token = layers * 2 * runner.num_kv_heads * runner.head_dim * runner.k_cache[0].element_size()
     figures: dict[str, dict[str, dict]] = {}
-    print(f"(l) plain decode steps by context ({base.dtype}, {layers} layers, KV {kv_bytes_per_token / 1024:.1f} KiB "
+    print(f"(l) plain decode steps by context ({base.dtype}, KV cache {runner.k_cache.dtype}, {layers} layers, "
+          f"KV {kv_bytes_per_token / 1024:.1f} KiB "
           f"per position, in-place attention: {runner.in_place_decode}; torch threads {torch.get_num_threads()}, "
           f"numba threads {numba.get_num_threads()}, long-context attention {wide_attention_threads or 'the same'}; best of {len(runs[(1, 32)])} runs of {steps} steps)")
     print("| batch | context | tok/s | x of context 32 | step ms wall (CPU) | attention ms / step | K/V read GB/s |")
@@ -475,6 +476,7 @@ def run_contexts(engine_dir: Path, quick: bool, wide_attention_threads: int = 0)
                   f"{scenarios.fmt(row['kv_read_gb_per_s'], 2)} |", flush=True)
         figures[f"b{batch}"] = rows
     return {"contexts": list(CONTEXTS), "steps": steps, "kv_bytes_per_token": kv_bytes_per_token,
+            "kv_cache_dtype": str(runner.k_cache.dtype).removeprefix("torch."),
             "in_place_decode": runner.in_place_decode, "torch_threads": torch.get_num_threads(),
             "numba_threads": numba.get_num_threads(), **figures}
 
@@ -505,6 +507,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="our C kernels' products on this many threads (what the engine does for a model whose "
                              "batch-1 step is long, e.g. float32 `small` on 2 cores: --threads 1 --kernel-threads 2); "
                              "default 0: as --threads")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="(l): the KV cache's dtype (cpu_kv_cache_dtype; bfloat16: half the bytes, read by our C "
+                             "kernel); default auto: the compute dtype's")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     only = set(args.only)
@@ -594,7 +599,8 @@ def main(argv: list[str] | None = None) -> None:
     if "w" in only:
         guarded("w", results, lambda: run_weights(args.engine_dir, args.quick))
     if "l" in only:
-        guarded("l", results, lambda: run_contexts(args.engine_dir, args.quick, args.wide_attention_threads))
+        guarded("l", results, lambda: run_contexts(args.engine_dir, args.quick, args.wide_attention_threads,
+                                                   args.kv_cache_dtype))
         gc.collect()
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint) if only & {"base", "a", "b"} else None

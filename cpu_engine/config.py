@@ -20,6 +20,9 @@ WEIGHT_FORMATS = ("float32", "int8")
 INT8_WEIGHTS_FILE = "weights_int8.safetensors"
 # `cpu_dtype` in the Triton config: the compute dtype, chosen at start-up (see resolve_dtype).
 DTYPE_SETTINGS = ("engine", "auto", "float32", "bfloat16")
+# `cpu_kv_cache_dtype`: the KV cache's element type. "auto": the compute dtype's; "bfloat16": half the bytes
+# (cpu_engine.runner says where it can be had).
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 
 
 def resolve_dtype(setting: str, built: str) -> str:
@@ -54,6 +57,7 @@ class EngineConfig:
     kv_cache_tokens: int = 0  # the KV pool's size in tokens; 0: max_batch_size x max_seq_len
     enable_prefix_reuse: bool = True  # keep full blocks after a request ends and share them by content
     int8_weights: Path | None = None  # the engine's INT8_WEIGHTS_FILE (--weights int8); None: float weights
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     @property
     def weights(self) -> str:
@@ -69,7 +73,8 @@ class EngineConfig:
     @classmethod
     def from_engine_dir(cls, engine_dir: Path, num_threads: int = 0, max_num_tokens: int = 0,
                         prefill_step_ratio: float = 1.75, kv_cache_tokens: int = 0,
-                        enable_prefix_reuse: bool = True, cpu_dtype: str = "engine") -> "EngineConfig":
+                        enable_prefix_reuse: bool = True, cpu_dtype: str = "engine",
+                        kv_cache_dtype: str = "auto") -> "EngineConfig":
         """`max_num_tokens` > 0 overrides the built value (the Triton config's runtime setting), and
         `cpu_dtype` may override the built dtype (resolve_dtype)."""
         path = Path(engine_dir) / ENGINE_CONFIG_FILE
@@ -93,9 +98,12 @@ class EngineConfig:
             kv_cache_tokens=kv_cache_tokens,
             enable_prefix_reuse=enable_prefix_reuse,
             int8_weights=Path(engine_dir) / INT8_WEIGHTS_FILE if weights == "int8" else None,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"cpu_kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be at least 1, got {self.kv_block_size}")
         if self.kv_cache_tokens < 0:

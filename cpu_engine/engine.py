@@ -190,6 +190,8 @@ class Engine:
         weights = f"{runner.weights} weights ({runner.lm_head.description})"  # which kernel (int8: and activations)
         if runner.lm_head.gemm is not None and self.kernel_threads > threads:
             weights += f", on {self.kernel_threads} threads"
+        if runner.kv_dtype != runner.dtype:
+            weights += ", bfloat16 KV cache (our C attention kernel)"
         return (f"CPU engine: {runner.dtype_name} compute, {weights}; {threads} threads{choice}{wide}; "
                 f"plain decode step by batch size {{{steps}}}")
 

@@ -32,7 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from cpu_engine import float32_gemm, vnni_gemm
-from cpu_engine.paged_attention import decode_attention_into
+from cpu_engine.paged_attention import attend_into
 from cpu_engine.row_kernels import GATED, NO_ROW, NO_ROWS, NORMED, PLAIN, rotate_and_store
 
 
@@ -87,7 +87,7 @@ def project(gemm, packed: tuple, bias: np.ndarray, x: torch.Tensor, norm=None, g
 
 @numba.njit(boundscheck=False, nogil=True, cache=True)
 def decode_layers(gemm, hidden, layers, cos, sin_signed, places, k_pools, v_pools, tables, lengths, block_size,
-                  scale, threads, shape):  # pragma: no cover
+                  scale, threads, shape, attention_kernel):  # pragma: no cover
     """The residual stream after every layer, for decode rows `hidden` [B, hidden] (float32).
 
     `layers`: one tuple a layer, (input norm weight, its eps, qkv packed weight, qkv bias, o_proj packed weight,
@@ -96,7 +96,8 @@ def decode_layers(gemm, hidden, layers, cos, sin_signed, places, k_pools, v_pool
     positions, kv_heads, head_dim] (the runner's pools); cos / sin_signed, places, tables, lengths and shape as the
     runner passes them to rotate_and_store and paged_attention; `threads`: the team attention runs on, numba's
     setting put back after it (the runner's wide_attention_threads: a long context's step stays one call, its
-    attention on every core and the rest on the caller's setting)."""
+    attention on every core and the rest on the caller's setting); `attention_kernel`: paged_attention's
+    bfloat16_kernel for bfloat16 pools (uint16 arrays), None for float32 ones (paged_attention.attend_into)."""
     batch = hidden.shape[0]
     kv_heads, dim = len(shape[0]), len(shape[2])
     heads = kv_heads * len(shape[1])
@@ -109,7 +110,8 @@ def decode_layers(gemm, hidden, layers, cos, sin_signed, places, k_pools, v_pool
         rows = project_rows(gemm, hidden, NORMED, input_norm, input_eps, qkv, qkv_bias, no_rows)
         rotate_and_store(rows, heads, kv_heads, cos, sin_signed, places, k_pools[i], v_pools[i], q)
         narrow = _team_size(threads) if threads > 1 else 1  # a long-context step's attention on the wide team
-        decode_attention_into(q, k_pools[i], v_pools[i], tables, lengths, block_size, scale, threads, shape, attention)
+        attend_into(attention_kernel, q, k_pools[i], v_pools[i], tables, lengths, block_size, scale, threads, shape,
+                    attention)
         if threads > 1:
             _team_size(narrow)
         hidden = project_rows(gemm, attention.reshape(batch, heads * dim), PLAIN, no_row, no_eps, o_proj, o_bias,
@@ -122,7 +124,7 @@ def decode_layers(gemm, hidden, layers, cos, sin_signed, places, k_pools, v_pool
 @numba.njit(boundscheck=False, nogil=True, cache=True)
 def decode_step(gemm, embed, token_ids, positions, tables, cos_table, sin_table, layers, k_pools, v_pools,
                 block_size, scale, threads, shape, logits_rows, head_gemm, norm_weight, norm_eps, head,
-                head_bias):  # pragma: no cover
+                head_bias, attention_kernel):  # pragma: no cover
     """The logits [len(logits_rows), vocab] of a step of decode rows: token `token_ids[i]` at `positions[i]` of the
     sequence whose block table is `tables[i]` (padded with any block id past its length), through decode_layers,
     the final norm (norm_weight, norm_eps) and the lm_head (`head` packed for `head_gemm`, its bias `head_bias`).
@@ -142,7 +144,7 @@ def decode_step(gemm, embed, token_ids, positions, tables, cos_table, sin_table,
         places[i] = tables[i, position // block_size] * block_size + position % block_size
         lengths[i] = position + 1
     hidden = decode_layers(gemm, hidden, layers, cos, sin_signed, places, k_pools, v_pools, tables, lengths,
-                           block_size, scale, threads, shape)
+                           block_size, scale, threads, shape, attention_kernel)
     last = np.empty((logits_rows.shape[0], hidden.shape[1]), np.float32)
     for i in range(logits_rows.shape[0]):
         last[i] = hidden[logits_rows[i]]

@@ -1,5 +1,6 @@
-/* What our two C kernels (cpu_engine/float32_gemm.c, cpu_engine/int8_gemm.c) share. cpu_engine/native.py hashes
- * this file into each kernel's library name with the kernel's own source, so a change here rebuilds both. */
+/* What our C kernels (cpu_engine/float32_gemm.c, cpu_engine/int8_gemm.c, cpu_engine/paged_attention.c) share.
+ * cpu_engine/native.py hashes this file into each kernel's library name with the kernel's own source, so a change
+ * here rebuilds them all. */
 #ifndef CPU_ENGINE_GEMM_COMMON_H
 #define CPU_ENGINE_GEMM_COMMON_H
 

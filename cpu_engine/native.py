@@ -1,5 +1,5 @@
-"""Our C kernels (cpu_engine/int8_gemm.c, cpu_engine/float32_gemm.c): compiled on first use, found again, and
-loaded only where no one else could have put them.
+"""Our C kernels (cpu_engine/int8_gemm.c, cpu_engine/float32_gemm.c, cpu_engine/paged_attention.c): compiled on
+first use, found again, and loaded only where no one else could have put them.
 
 Each file is compiled with the system's C compiler (`CC`, else `cc`) into NUMBA_CACHE_DIR (where numba's
 compiled kernels also go; the package's __pycache__ when unset, else a directory of this user's own in the temp

@@ -39,11 +39,17 @@ bfloat16); bfloat16 engines keep the gather.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+from pathlib import Path
 
 import numba
 import numpy as np
 import torch
+from numba import types
+from numba.extending import overload
+
+from cpu_engine import native
 
 TILE = 128  # positions per online-softmax step: their scores for every head sit in a [heads, TILE] scratch
 MIN_SPAN = 256  # a sequence is cut into spans of at least this many positions (a span costs a merge)
@@ -317,3 +323,70 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     finally:
         numba.set_parallel_chunksize(previous)
     return out
+
+
+# A bfloat16 KV pool's decode attention: our C kernel (paged_attention.c, where it says why), compiled and loaded
+# like the GEMMs (cpu_engine.native); head_dim a multiple of 16 up to 128, up to 64 heads.
+BFLOAT16_SOURCE = Path(__file__).with_name("paged_attention.c")
+BFLOAT16_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-fopenmp", "-fPIC", "-shared")
+BFLOAT16_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq"})
+BFLOAT16_HEAD_DIMS = tuple(range(16, 129, 16))
+BFLOAT16_MAX_HEADS = 64
+
+
+@functools.cache
+def bfloat16_kernel() -> ctypes._CFuncPtr | None:
+    """The C kernel's entry point, or None where it cannot run here (the reason is logged once)."""
+    kernel = native.load(BFLOAT16_SOURCE, BFLOAT16_FLAGS, BFLOAT16_CPU_FLAGS,
+                         [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 5
+                         + [ctypes.c_float, ctypes.c_void_p], "a bfloat16 KV cache is not available")
+    if kernel is not None:
+        kernel.restype = ctypes.c_int
+    return kernel
+
+
+def bfloat16_fits(kv_heads: int, group: int, head_dim: int) -> bool:
+    return head_dim in BFLOAT16_HEAD_DIMS and kv_heads * group <= BFLOAT16_MAX_HEADS
+
+
+def paged_decode_attention_bfloat16(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                    tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
+                                    scale: float) -> torch.Tensor:
+    """paged_decode_attention over bfloat16 pools (torch.bfloat16, the same shapes), on the C kernel (which
+    must be available: bfloat16_kernel)."""
+    batch, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[1]
+    if not bfloat16_fits(kv_heads, heads // kv_heads, head_dim):
+        raise ValueError(f"the bfloat16 kernel takes head_dim {BFLOAT16_HEAD_DIMS} and up to "
+                         f"{BFLOAT16_MAX_HEADS} heads, not {head_dim} and {heads}")
+    q = q.contiguous()
+    tables = tables.contiguous()
+    lengths = lengths.contiguous()
+    out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
+    if bfloat16_kernel()(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.shape[1],
+                         lengths.data_ptr(), batch, kv_heads, heads // kv_heads, head_dim, block_size,
+                         float(scale), out.data_ptr()):
+        raise MemoryError("no memory for the attention kernel's partial sums")
+    return out
+
+
+def attend_into(kernel, q, k_pool, v_pool, tables, lengths, block_size, scale, threads, shape, out):  # pragma: no cover
+    """decode_attention_into for a float32 pool, the bfloat16 kernel (`kernel`, bfloat16_kernel's) for a bfloat16
+    one (uint16 arrays): what the one-call step (cpu_engine.fused_step) calls, chosen where numba compiles it."""
+    raise NotImplementedError("called from numba only")
+
+
+@overload(attend_into)
+def _attend_into_for(kernel, q, k_pool, v_pool, tables, lengths, block_size, scale, threads, shape,
+                     out):  # pragma: no cover
+    if k_pool.dtype == types.uint16:
+        def bfloat16_pool(kernel, q, k_pool, v_pool, tables, lengths, block_size, scale, threads, shape, out):
+            batch, heads, dim = q.shape
+            kv_heads = k_pool.shape[1]
+            if kernel(q.ctypes.data, k_pool.ctypes.data, v_pool.ctypes.data, tables.ctypes.data, tables.shape[1],
+                      lengths.ctypes.data, batch, kv_heads, heads // kv_heads, dim, block_size, scale,
+                      out.ctypes.data):
+                raise MemoryError("no memory for the attention kernel's partial sums")
+        return bfloat16_pool
+    return lambda kernel, q, k_pool, v_pool, tables, lengths, block_size, scale, threads, shape, out: \
+        decode_attention_into(q, k_pool, v_pool, tables, lengths, block_size, scale, threads, shape, out)

@@ -14,6 +14,8 @@ import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
+from numba import types
+from numba.extending import overload
 
 
 @numba.njit(boundscheck=False, nogil=True, cache=True, fastmath={"reassoc", "nsz", "contract"})
@@ -110,15 +112,43 @@ def input_row(x, mode, norm_weight, eps, out):  # pragma: no cover
             out[j] = silu(x[j]) * x[k + j]
 
 
+def store_row(pool_row, values):  # pragma: no cover
+    """pool_row [kv_heads, head_dim] <- values (float32): as they are into a float32 pool; rounded to bfloat16
+    (nearest, ties to even, as torch rounds) into a bfloat16 pool held as uint16."""
+    raise NotImplementedError("called from numba only")
+
+
+@overload(store_row, inline="always")
+def _store_row_for(pool_row, values):  # pragma: no cover
+    if pool_row.dtype == types.uint16:
+        def to_bfloat16(pool_row, values):
+            bits = values.view(np.uint32)
+            for g in range(values.shape[0]):
+                for d in range(values.shape[1]):
+                    b = bits[g, d]
+                    pool_row[g, d] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
+                                               >> np.uint32(16))
+        return to_bfloat16
+
+    def copy(pool_row, values):
+        for g in range(values.shape[0]):
+            for d in range(values.shape[1]):
+                pool_row[g, d] = values[g, d]
+    return copy
+
+
 @numba.njit(boundscheck=False, nogil=True, cache=True)
 def rotate_and_store(qkv, heads, kv_heads, cos, sin_signed, places, k_pool, v_pool, q_out):  # pragma: no cover
     """Rotary on q and k (x cos + roll(x, head_dim / 2) sin_signed, each product rounded as PyTorch's three ops
     round them) into q_out and, with v, into each token's row of the layer's pool (`places`): one call for the
     nine small ops a layer ran for it. qkv [T, (heads + 2 kv_heads) x head_dim] (the qkv projection's rows),
-    cos / sin_signed [T, 1, head_dim] (float32 views, any strides), q_out [T, heads, head_dim]."""
+    cos / sin_signed [T, 1, head_dim] (float32 views, any strides), q_out [T, heads, head_dim]. The pools are
+    float32, or bfloat16 as uint16 (each value rounded to the nearest, ties to even: store_row)."""
     tokens, dim = qkv.shape[0], q_out.shape[2]
     half = dim // 2
     v_start = (heads + kv_heads) * dim
+    k_row = np.empty((kv_heads, dim), np.float32)
+    v_row = np.empty((kv_heads, dim), np.float32)
     for t in range(tokens):
         place = places[t]
         for h in range(heads + kv_heads):
@@ -129,7 +159,9 @@ def rotate_and_store(qkv, heads, kv_heads, cos, sin_signed, places, k_pool, v_po
                 if h < heads:
                     q_out[t, h, d] = value
                 else:
-                    k_pool[place, h - heads, d] = value
+                    k_row[h - heads, d] = value
         for h in range(kv_heads):
             for d in range(dim):
-                v_pool[place, h, d] = qkv[t, v_start + h * dim + d]
+                v_row[h, d] = qkv[t, v_start + h * dim + d]
+        store_row(k_pool[place], k_row)
+        store_row(v_pool[place], v_row)

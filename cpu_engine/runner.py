@@ -28,6 +28,7 @@ for all active sequences:
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from cpu_engine import float32_gemm, fused_step
 from cpu_engine.config import EngineConfig
 from cpu_engine.int8 import Int8Projection, load_int8_weights
+from cpu_engine import paged_attention
 from cpu_engine.paged_attention import paged_decode_attention, shape_of
 from cpu_engine.row_kernels import NO_ROW, RMSNorm, rotate_and_store, silu_of
 
@@ -54,8 +56,18 @@ LLAMA_FAMILY = {
     "Qwen3ForCausalLM",
 }
 
+log = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 HUGE_PAGE = 2 << 20
+
+
+def _pool_array(pool: torch.Tensor) -> np.ndarray:
+    """The pool as the numba and C kernels take it: float32 as it is, bfloat16 as its bits (uint16; numpy has no
+    bfloat16)."""
+    if pool.dtype == torch.bfloat16:
+        return pool.view(torch.int16).numpy().view(np.uint16)
+    return pool.numpy()
 
 
 def kv_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -336,20 +348,23 @@ class LlamaRunner:
         self.block_size = config.kv_block_size
         self.num_blocks = config.kv_cache_blocks
         cache_shape = (len(self.layers), self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_dtype = self._kv_dtype_for(config.kv_cache_dtype)
         try:
-            self.k_cache = kv_pool(cache_shape, self.dtype)
-            self.v_cache = kv_pool(cache_shape, self.dtype)
+            self.k_cache = kv_pool(cache_shape, self.kv_dtype)
+            self.v_cache = kv_pool(cache_shape, self.kv_dtype)
         except (RuntimeError, OSError) as exc:  # say which setting to lower, not just "out of memory"
             raise ValueError(
                 f"cannot allocate a KV cache of {self.num_blocks * self.block_size} tokens "
-                f"({2 * torch.tensor([], dtype=self.dtype).element_size() * len(self.layers) * self.kv_size} "
+                f"({2 * torch.tensor([], dtype=self.kv_dtype).element_size() * len(self.layers) * self.kv_size} "
                 f"bytes each): lower cpu_kv_cache_tokens ({exc})") from exc
 
         # Decode attention reads the pool in place (float32); bfloat16 gathers (see the module docstring).
         self.in_place_decode = self.dtype == torch.float32
         # The pools (and their layers) as numpy views, made once (the pool is never reallocated), for the numba
         # kernels.
-        self._pool_arrays = (self.k_cache.numpy(), self.v_cache.numpy()) if self.in_place_decode else None
+        self._pool_arrays = (_pool_array(self.k_cache), _pool_array(self.v_cache)) if self.in_place_decode else None
+        # The C kernel that reads a bfloat16 pool in place (None for a float32 pool: the numba kernel's).
+        self._attention_kernel = paged_attention.bfloat16_kernel() if self.kv_dtype != self.dtype else None
         self._k_arrays = list(self._pool_arrays[0]) if self.in_place_decode else []
         self._v_arrays = list(self._pool_arrays[1]) if self.in_place_decode else []
         # The embedding and the rotary tables as numpy views too, for the step in one call (fused_step.decode_step).
@@ -368,6 +383,25 @@ class LlamaRunner:
         # more cores (2 cores, `small` float32, 16 streams of 1,024 tokens through the whole stack, 3
         # interleaved rounds: 369 tok/s against 315 on one thread; benchmarks/README.md, scenario `l`).
         self.wide_attention_threads = 0
+
+    def _kv_dtype_for(self, setting: str) -> torch.dtype:
+        """The KV pool's dtype for `cpu_kv_cache_dtype` = `setting`: the compute dtype's ("auto", and always for
+        bfloat16 compute), or bfloat16 for a float32 engine where the C kernel that reads it in place runs here
+        (paged_attention.bfloat16_kernel: AVX-512 and a compiler; head_dim a multiple of 16 up to 128); else
+        float32, logged."""
+        if setting == "auto" or self.dtype != torch.float32:
+            return self.dtype
+        group = self.num_heads // self.num_kv_heads
+        if not paged_attention.bfloat16_fits(self.num_kv_heads, group, self.head_dim):
+            log.warning("cpu_kv_cache_dtype bfloat16: the kernel takes head_dim %s and up to %d heads, not %d and "
+                        "%d; the KV cache stays float32", paged_attention.BFLOAT16_HEAD_DIMS,
+                        paged_attention.BFLOAT16_MAX_HEADS, self.head_dim, self.num_heads)
+            return torch.float32
+        if paged_attention.bfloat16_kernel() is None:
+            log.warning("cpu_kv_cache_dtype bfloat16: its kernel cannot run here (see above); the KV cache stays "
+                        "float32")
+            return torch.float32
+        return torch.bfloat16
 
     def plan_fused_ops(self) -> None:
         """Which of the runner's own ops run fused, from the projections it has now (each layer's `fused` says the
@@ -419,11 +453,16 @@ class LlamaRunner:
         v_pool = self.v_cache[layer].view(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         keys = k_pool.index_select(0, flat).view(shape).transpose(1, 2)
         values = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
+        if self.kv_dtype != self.dtype:  # a bfloat16 pool of a float32 engine: attention computes in float32
+            keys, values = keys.to(self.dtype), values.to(self.dtype)
         return keys, values
 
     def _decode_attention(self, q: torch.Tensor, layer: int, tables: torch.Tensor, lengths: torch.Tensor,
                           threads: int) -> torch.Tensor:
         """Decode attention over the pool in place, on `threads` numba threads (0: as set for this thread)."""
+        if self._attention_kernel is not None:  # a bfloat16 pool: the C kernel, on our kernels' threads
+            return paged_attention.paged_decode_attention_bfloat16(q, self.k_cache[layer], self.v_cache[layer],
+                                                                   tables, lengths, self.block_size, self.scale)
         narrow = numba.get_num_threads() if threads else 0  # no switch (two numba calls) when not wide
         if threads:
             numba.set_num_threads(threads)
@@ -453,7 +492,7 @@ class LlamaRunner:
                 np.array(decode_positions, dtype=np.int64), tables, *self._rotary_arrays, self.one_call_decode,
                 *self._pool_arrays, self.block_size, self._scale32, threads, self._attention_shape,
                 np.array(logits_rows, dtype=np.int64), head.gemm, norm.weight_array, norm.eps32, head.arrays,
-                head.fused_bias))
+                head.fused_bias, self._attention_kernel))
         finally:
             if threads > 1:
                 numba.set_parallel_chunksize(previous)

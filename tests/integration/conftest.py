@@ -66,6 +66,7 @@ class Stack:
     scripted: ScriptedModel  # the engine model whose greedy output the tests script (scripted_model.py)
     repository: Path  # the session Triton's model repository (explicit model control: models load on demand)
     triton_control: dict[str, str]  # the HTTP header Triton's load/unload/index endpoints need (restricted API)
+    triton_log: Path  # the session Triton's log (its models' server log lines too)
 
     def engine_metric(self, name: str, model: str = "tensorrt_llm") -> float:
         """A CPU engine metric of one engine model, from Triton's metrics port (`cpu_engine_<name>`)."""
@@ -161,7 +162,8 @@ def stack(built_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         wait_http_ok(f"{root}/health/ready", 120, frontend)
         checkpoint = built_engine / "checkpoints" / "demo-tiny"
         yield Stack(f"{root}/v1", root, grpc_url, f"http://127.0.0.1:{metrics}/metrics", "demo-tiny",
-                    checkpoint, 512, f"http://127.0.0.1:{http}", scripted, repository, triton.control_headers)
+                    checkpoint, 512, f"http://127.0.0.1:{http}", scripted, repository, triton.control_headers,
+                    logs / "tritonserver.log")
     finally:
         if frontend is not None:
             stop_process(frontend)

@@ -2,7 +2,8 @@
 
 The session engine (`tensorrt_llm`) reuses prefixes (the default); a copy of it loaded here
 (`tensorrt_llm_no_reuse`) has reuse off and a KV cache of 256 tokens, less than its 512-token context, so
-that a request can fit the context and still need more blocks than the engine has.
+that a request can fit the context and still need more blocks than the engine has; another
+(`tensorrt_llm_kv_bfloat16`) keeps its KV cache in bfloat16 (`cpu_kv_cache_dtype`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import openai
 import pytest
 
 from benchmarks.servers import stop_process, wait_http_ok
+from cpu_engine import paged_attention
 from launcher.ports import find_free_port
-from tests.integration.conftest import (ENGINE_WAIT_S, Stack, engine_settled, set_parameter, start_frontend,
-                                        wait_until)
+from tests.integration.conftest import (ENGINE_WAIT_S, Stack, engine_settled, frontend_on, set_parameter,
+                                        start_frontend, wait_until)
 
 pytestmark = pytest.mark.integration
 
 NO_REUSE_MODEL = "tensorrt_llm_no_reuse"
+BFLOAT16_KV_MODEL = "tensorrt_llm_kv_bfloat16"
 NO_REUSE_KV_TOKENS = 256
 # About 120 tokens with the chat template: seven full 16-token blocks for a request that repeats it to find.
 SYSTEM = ("You are a careful assistant for a shipping company. Answer in one short paragraph, name the "
@@ -31,19 +34,24 @@ SYSTEM = ("You are a careful assistant for a shipping company. Answer in one sho
           "only, and no deliveries on public holidays in any region we serve.")
 
 
+def engine_copy(stack: Stack, name: str, **parameters: str) -> None:
+    """A copy of the session engine model named `name`, with `parameters` changed, loaded into the running
+    Triton (explicit model control)."""
+    target = stack.repository / name
+    shutil.copytree(stack.repository / "tensorrt_llm", target, ignore=shutil.ignore_patterns("__pycache__"))
+    config = target / "config.pbtxt"
+    config.write_text(re.sub(r'^name:\s*"[^"]*"', f'name: "{name}"', config.read_text(), count=1, flags=re.M))
+    for key, value in parameters.items():
+        set_parameter(target, key, value)
+    httpx.post(f"{stack.triton_http_url}/v2/repository/models/{name}/load", headers=stack.triton_control,
+               timeout=300).raise_for_status()
+
+
 @pytest.fixture(scope="module")
 def no_reuse_client(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     """A frontend over a copy of the session engine with prefix reuse off and a 256-token KV cache, loaded
     into the running Triton (explicit model control)."""
-    target = stack.repository / NO_REUSE_MODEL
-    shutil.copytree(stack.repository / "tensorrt_llm", target, ignore=shutil.ignore_patterns("__pycache__"))
-    config = target / "config.pbtxt"
-    config.write_text(re.sub(r'^name:\s*"[^"]*"', f'name: "{NO_REUSE_MODEL}"', config.read_text(), count=1,
-                             flags=re.M))
-    set_parameter(target, "enable_kv_cache_reuse", "false")
-    set_parameter(target, "cpu_kv_cache_tokens", str(NO_REUSE_KV_TOKENS))
-    httpx.post(f"{stack.triton_http_url}/v2/repository/models/{NO_REUSE_MODEL}/load", headers=stack.triton_control,
-               timeout=300).raise_for_status()
+    engine_copy(stack, NO_REUSE_MODEL, enable_kv_cache_reuse="false", cpu_kv_cache_tokens=str(NO_REUSE_KV_TOKENS))
     port = find_free_port()
     process = start_frontend(stack.triton_grpc_url, port, tmp_path_factory.mktemp("no_reuse") / "frontend.log",
                              ENGINE_MODEL=NO_REUSE_MODEL)
@@ -54,6 +62,20 @@ def no_reuse_client(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> I
         stop_process(process)
         httpx.post(f"{stack.triton_http_url}/v2/repository/models/{NO_REUSE_MODEL}/unload", headers=stack.triton_control,
                    timeout=60)
+
+
+@pytest.fixture(scope="module")
+def bfloat16_kv_client(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """A frontend over a copy of the session engine whose KV cache is bfloat16."""
+    if paged_attention.bfloat16_kernel() is None:
+        pytest.skip("a bfloat16 KV cache needs AVX-512 (F, BW, DQ) and a C compiler; the engine keeps float32")
+    engine_copy(stack, BFLOAT16_KV_MODEL, cpu_kv_cache_dtype="bfloat16")
+    try:
+        with frontend_on(stack, BFLOAT16_KV_MODEL, tmp_path_factory.mktemp("kv_bfloat16")) as url:
+            yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    finally:
+        httpx.post(f"{stack.triton_http_url}/v2/repository/models/{BFLOAT16_KV_MODEL}/unload",
+                   headers=stack.triton_control, timeout=60)
 
 
 def ask(client: openai.OpenAI, model: str, question: str, stream: bool = False) -> str:
@@ -118,3 +140,17 @@ def test_a_request_needing_more_blocks_than_the_cache_has_is_a_400_at_once(
     assert answer.choices[0].finish_reason in ("length", "stop")
     # once idle after that request (not a stale idle reading from before it)
     assert engine_settled(stack.triton_metrics_url, NO_REUSE_MODEL, after=before)["kv_cache_blocks_used"] == 0
+
+
+def test_a_bfloat16_kv_cache_answers_alike_streamed_or_not_and_from_reused_prefixes(
+        stack: Stack, bfloat16_kv_client: openai.OpenAI) -> None:
+    """The engine says it keeps K/V in bfloat16 (its start-up line in Triton's log); its greedy answer is the same
+    cold, from the prefix cache, and streamed."""
+    assert "bfloat16 KV cache" in stack.triton_log.read_text(errors="replace")
+    idle = engine_settled(stack.triton_metrics_url, BFLOAT16_KV_MODEL)
+    cold = ask(bfloat16_kv_client, stack.model, "Where is order 1182?")
+    warm = ask(bfloat16_kv_client, stack.model, "Where is order 1182?")
+    streamed = ask(bfloat16_kv_client, stack.model, "Where is order 1182?", stream=True)
+    assert cold == warm == streamed and cold
+    hits = engine_settled(stack.triton_metrics_url, BFLOAT16_KV_MODEL, after=idle)["prefix_cache_hits_tokens_total"]
+    assert hits >= 2 * 6 * 16  # `warm` and `streamed` each found the system prompt's full blocks

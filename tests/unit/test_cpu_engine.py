@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from build_engine.cpu_engine_builder import write_int8_weights
-from cpu_engine import float32_gemm, fused_step, vnni_gemm
+from cpu_engine import float32_gemm, fused_step, paged_attention, vnni_gemm
 from cpu_engine.config import EngineConfig
 from cpu_engine.engine import Engine, EngineFailedError
 from cpu_engine.int8 import default_kernel
@@ -50,10 +50,21 @@ def weights(request: pytest.FixtureRequest, int8_weights: Path) -> Path | None:
     return int8_weights if request.param == "int8" else None
 
 
+@pytest.fixture(params=["auto", "bfloat16"], ids=["kv-float32", "kv-bfloat16"])
+def kv_cache_dtype(request: pytest.FixtureRequest) -> str:
+    """Runs a test once per KV cache dtype (cpu_kv_cache_dtype) where the bfloat16 cache can be had here."""
+    if request.param == "bfloat16" and paged_attention.bfloat16_kernel() is None:
+        pytest.skip("a bfloat16 KV cache needs AVX-512 (F, BW, DQ) and a C compiler; the engine keeps float32")
+    return request.param
+
+
 def make_scheduler(checkpoint: Path, slots: int = 4, max_seq_len: int = 256,
-                   max_num_tokens: int = 64, int8_weights: Path | None = None) -> Scheduler:
+                   max_num_tokens: int = 64, int8_weights: Path | None = None,
+                   kv_cache_dtype: str = "auto") -> Scheduler:
     runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=slots, max_seq_len=max_seq_len,
-                                      max_num_tokens=max_num_tokens, int8_weights=int8_weights))
+                                      max_num_tokens=max_num_tokens, int8_weights=int8_weights,
+                                      kv_cache_dtype=kv_cache_dtype))
+    assert runner.k_cache.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32)
     return Scheduler(runner, max_num_tokens)
 
 
@@ -201,10 +212,11 @@ def test_a_projection_gives_a_row_the_same_bits_in_any_batch(shape: tuple[int, i
     assert bfloat16.kernel != "float32-gemm" and (bfloat16.min_rows == 0 or not bfloat16.uses_onednn)
 
 
-@pytest.mark.parametrize("chunks_as_rows, wide", [(True, False), (False, False), (True, True)],
-                         ids=["chunks-as-decode-rows", "chunk-kernel", "wide-attention"])
+@pytest.mark.parametrize("chunks_as_rows, wide, kv_cache", [(True, False, "auto"), (False, False, "auto"),
+                                                          (True, True, "auto"), (False, False, "bfloat16")],
+                         ids=["chunks-as-decode-rows", "chunk-kernel", "wide-attention", "bfloat16-kv-cache"])
 def test_an_engine_on_our_kernels_steps_the_same_bits_fused_and_unfused(checkpoint: Path, weights: Path | None,
-                                                                        chunks_as_rows: bool, wide: bool,
+                                                                        chunks_as_rows: bool, wide: bool, kv_cache: str,
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         request: pytest.FixtureRequest) -> None:
     """The runner's decode-only steps in one numba call (fused_step, on our float32 or VNNI kernel), its fused
@@ -220,8 +232,10 @@ def test_an_engine_on_our_kernels_steps_the_same_bits_fused_and_unfused(checkpoi
         monkeypatch.setattr(runner_module, "ROWS_AS_DECODE_MAX_KV_BYTES", 0)
     if wide and numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba's team has one thread here: there is no wider team to run attention on")
+    if kv_cache == "bfloat16" and paged_attention.bfloat16_kernel() is None:
+        pytest.skip("a bfloat16 KV cache needs AVX-512 (F, BW, DQ) and a C compiler; the engine keeps float32")
     config = EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4,
-                          int8_weights=weights)
+                          int8_weights=weights, kv_cache_dtype=kv_cache)
     runner = LlamaRunner(config)
     narrow = numba.get_num_threads()
     request.addfinalizer(lambda: numba.set_num_threads(narrow))
@@ -265,13 +279,15 @@ def test_an_engine_on_our_kernels_steps_the_same_bits_fused_and_unfused(checkpoi
         assert torch.equal(a, b) and torch.equal(b, c)
 
 
-def test_greedy_alone_equals_greedy_in_a_full_batch(checkpoint: Path, weights: Path | None) -> None:
-    alone = make_scheduler(checkpoint, int8_weights=weights)
+def test_greedy_alone_equals_greedy_in_a_full_batch(checkpoint: Path, weights: Path | None,
+                                                    kv_cache_dtype: str) -> None:
+    alone = make_scheduler(checkpoint, int8_weights=weights, kv_cache_dtype=kv_cache_dtype)
     target = request("target", prompt_of(11), 24)
     alone.add(target)
     run_until_done(alone)
 
-    batched = make_scheduler(checkpoint, max_num_tokens=16, int8_weights=weights)  # forces chunked prefill too
+    batched = make_scheduler(checkpoint, max_num_tokens=16, int8_weights=weights,
+                             kv_cache_dtype=kv_cache_dtype)  # forces chunked prefill too
     others = [request(f"o{i}", prompt_of(5 + 9 * i, offset=i), 10 + 7 * i) for i in range(3)]
     again = request("target", prompt_of(11), 24)
     batched.add(others[0])
@@ -828,6 +844,22 @@ def test_auto_threads_put_our_kernels_on_every_core_where_a_batch_1_step_is_long
         assert engine.threads == 1 and engine.kernel_threads == expected and native._threads == expected
         ours = engine.scheduler.runner.lm_head.gemm is not None
         assert ("), on 2 threads; 1 threads" in engine.describe()) == (ours and expected == 2)
+
+
+def test_a_kv_cache_dtype_the_engine_does_not_know_is_refused(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="cpu_kv_cache_dtype must be one of"):
+        EngineConfig(checkpoint_dir=checkpoint, kv_cache_dtype="fp8")
+
+
+def test_a_bfloat16_kv_cache_falls_back_to_float32_where_its_kernel_cannot_run(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """No C compiler or no AVX-512 (bfloat16_kernel None): the engine serves with a float32 cache and says why."""
+    monkeypatch.setattr(paged_attention, "bfloat16_kernel", lambda: None)
+    with caplog.at_level("WARNING", logger="cpu_engine.runner"):
+        runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64,
+                                          kv_cache_dtype="bfloat16"))
+    assert runner.k_cache.dtype == torch.float32 and runner.kv_dtype == torch.float32
+    assert "the KV cache stays float32" in caplog.text
 
 
 def test_the_decode_step_sets_and_restores_numbas_team_itself(request: pytest.FixtureRequest) -> None:

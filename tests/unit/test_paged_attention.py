@@ -140,3 +140,53 @@ def test_same_result_on_one_and_two_threads() -> None:
     finally:
         numba.set_num_threads(previous)
     torch.testing.assert_close(one, two, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.skipif(paged_attention.bfloat16_kernel() is None,
+                    reason="the bfloat16 kernel needs AVX-512 (F, BW, DQ) and a C compiler")
+@pytest.mark.parametrize("lengths, kv_heads, group, head_dim, block_size", [
+    ([1, 15, 16, 17, 300, 1000], 4, 3, 64, 16),  # `small`'s heads; tile (128) and span (256) boundaries
+    ([5, 700, 129], 2, 4, 128, 4),
+    ([4096, 3], 1, 2, 32, 16),  # one long sequence cut into spans beside a short one
+    ([3, 40, 17], 2, 2, 16, 4),  # the unit tests' checkpoint's heads
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_bfloat16_kernel_matches_attention_over_the_same_values(
+        lengths: list[int], kv_heads: int, group: int, head_dim: int, block_size: int, threads: int,
+        request: pytest.FixtureRequest) -> None:
+    """The C kernel over bfloat16 pools against the float64 reference over the same (widened) values, on one
+    thread and on a team of two."""
+    from cpu_engine import native
+
+    request.addfinalizer(lambda: native.set_threads(1))
+    native.set_threads(threads)
+    q, k_pool, v_pool, tables, lengths_t, block_size, scale = random_case(lengths, kv_heads, group, head_dim,
+                                                                          block_size, seed=len(lengths))
+    k16, v16 = k_pool.bfloat16(), v_pool.bfloat16()
+    out = paged_attention.paged_decode_attention_bfloat16(q, k16, v16, tables, lengths_t, block_size, scale)
+    expected = reference(q, k16.float(), v16.float(), tables, lengths_t, block_size, scale)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_a_bfloat16_pool_stores_each_value_rounded_as_torch_rounds_it() -> None:
+    """row_kernels.rotate_and_store into a bfloat16 pool (uint16 bits) stores what torch's .bfloat16() makes of
+    the float32 values it stores into a float32 pool: nearest, ties to even (ties made on purpose here)."""
+    from cpu_engine.row_kernels import rotate_and_store
+
+    generator = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    ties = qkv.view(torch.int32)
+    ties[:, ::3] = (ties[:, ::3] & ~0xFFFF) | 0x8000  # exactly halfway between two bfloat16 values
+    cos, sin = torch.randn(tokens, 1, dim, generator=generator), torch.randn(tokens, 1, dim, generator=generator)
+    places = np.array([7, 0, 3, 12, 9])
+    pools = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        k_pool, v_pool = torch.zeros(16, kv_heads, dim, dtype=dtype), torch.zeros(16, kv_heads, dim, dtype=dtype)
+        arrays = [pool.numpy() if dtype == torch.float32 else pool.view(torch.int16).numpy().view(np.uint16)
+                  for pool in (k_pool, v_pool)]
+        q = torch.empty(tokens, heads, dim)
+        rotate_and_store(qkv.numpy(), heads, kv_heads, cos.numpy(), sin.numpy(), places, *arrays, q.numpy())
+        pools[dtype] = (k_pool, v_pool)
+    for wide, narrow in zip(pools[torch.float32], pools[torch.bfloat16]):
+        assert torch.equal(wide.bfloat16().view(torch.int16), narrow.view(torch.int16))

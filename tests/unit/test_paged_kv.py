@@ -16,17 +16,19 @@ from cpu_engine.config import EngineConfig
 from cpu_engine.runner import Chunk, LlamaRunner, kv_pool
 from cpu_engine.sampling import SamplingParams
 from cpu_engine.scheduler import FinishReason, RequestError, Scheduler
-from tests.unit.test_cpu_engine import (VOCAB, checkpoint, int8_weights, prompt_of, request,  # noqa: F401
-                                        run_until_done, weights)
+from tests.unit.test_cpu_engine import (VOCAB, checkpoint, int8_weights, kv_cache_dtype, prompt_of,  # noqa: F401
+                                        request, run_until_done, weights)
 
 BLOCK = 4
 
 
 def paged_scheduler(checkpoint: Path, kv_tokens: int = 0, reuse: bool = True, slots: int = 4,
-                    max_num_tokens: int = 64, int8_weights: Path | None = None) -> Scheduler:
+                    max_num_tokens: int = 64, int8_weights: Path | None = None,
+                    kv_cache_dtype: str = "auto") -> Scheduler:
     runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=slots, max_seq_len=128,
                                       max_num_tokens=max_num_tokens, kv_block_size=BLOCK, kv_cache_tokens=kv_tokens,
-                                      int8_weights=int8_weights))
+                                      int8_weights=int8_weights, kv_cache_dtype=kv_cache_dtype))
+    assert runner.k_cache.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32)
     return Scheduler(runner, max_num_tokens, enable_prefix_reuse=reuse)
 
 
@@ -35,12 +37,12 @@ def assert_no_blocks_held(scheduler: Scheduler) -> None:
     assert scheduler.blocks.num_used == 0 and not scheduler.has_work
 
 
-def test_a_cached_prompt_skips_its_full_blocks_and_answers_the_same(checkpoint: Path,
-                                                                     weights: Path | None) -> None:
+def test_a_cached_prompt_skips_its_full_blocks_and_answers_the_same(checkpoint: Path, weights: Path | None,
+                                                                     kv_cache_dtype: str) -> None:
     system = prompt_of(37)
     answers = {}
     for reuse in (True, False):
-        scheduler = paged_scheduler(checkpoint, reuse=reuse, int8_weights=weights)
+        scheduler = paged_scheduler(checkpoint, reuse=reuse, int8_weights=weights, kv_cache_dtype=kv_cache_dtype)
         first, second = request("a", system + [5, 6], 12), request("b", system + [7], 12)
         scheduler.add(first)
         run_until_done(scheduler)
@@ -116,9 +118,11 @@ def test_a_request_that_fits_the_cache_but_not_now_waits(checkpoint: Path) -> No
                          ids=["greedy", "seeded"])
 def test_preempted_sequences_resume_and_answer_as_if_never_preempted(checkpoint: Path,
                                                                      sampling: SamplingParams,
-                                                                     weights: Path | None) -> None:
+                                                                     weights: Path | None,
+                                                                     kv_cache_dtype: str) -> None:
     def run(kv_tokens: int) -> tuple[list[list[int]], int]:
-        scheduler = paged_scheduler(checkpoint, kv_tokens=kv_tokens, reuse=kv_tokens > 0, int8_weights=weights)
+        scheduler = paged_scheduler(checkpoint, kv_tokens=kv_tokens, reuse=kv_tokens > 0, int8_weights=weights,
+                                    kv_cache_dtype=kv_cache_dtype)
         requests = [request(f"r{i}", prompt_of(10 + 3 * i, offset=i), 40, sampling=sampling) for i in range(4)]
         for r in requests:
             scheduler.add(r)

@@ -359,7 +359,8 @@ class TritonPythonModel:
             prefill_step_ratio=float(_param(config, "cpu_prefill_step_ratio", "1.75") or 1.75),
             kv_cache_tokens=int(_param(config, "cpu_kv_cache_tokens", "0") or 0),
             enable_prefix_reuse=_param(config, "enable_kv_cache_reuse", "true").lower() == "true",
-            cpu_dtype=_param(config, "cpu_dtype", "engine") or "engine")
+            cpu_dtype=_param(config, "cpu_dtype", "engine") or "engine",
+            kv_cache_dtype=_param(config, "cpu_kv_cache_dtype", "auto") or "auto")
         self.model_name = args["model_name"]
         guided_backend = _param(config, "guided_decoding_backend", "")
         if guided_backend not in ("", "xgrammar"):
