@@ -24,8 +24,9 @@ overhead outweighs its 32-wide heads). A shape's first compile takes ~10 s (cach
 Rows are read in pool order, one row per loop step, which the hardware prefetchers follow. Measured and
 dropped: reading two or four rows per step (fewer accumulator loads and stores; faster in cache, 30-40%
 slower from memory), explicit software prefetch (no gain), a two-pass variant with PyTorch's softmax
-between (slower from a few hundred positions on, and three parallel regions per layer instead of one), a
-C++ extension (the Docker image has no compiler). The limit here is instructions, not memory (one core
+between (slower from a few hundred positions on, and three parallel regions per layer instead of one); a
+C kernel on float32 rows (paged_attention.c's design: slower than this one from memory, 17.0 against 15.1 ms
+at batch 16 x 1,024, benchmarks/README.md scenario `l`). The limit here is instructions, not memory (one core
 sums memory at ~26 GB/s): on the 2-core AMD EPYC this was written on, one thread, inside decode steps
 (`python -m benchmarks.engine_bench --only l --threads 1`), K/V read at ~11-12 GB/s on `small` (the
 previous two-pass kernel ~5-7) and ~3.8 on `tiny` (~2; its 32-wide heads leave more loop overhead per
@@ -33,8 +34,9 @@ byte); ~14.5 on `small` with the KV pool on huge pages (fewer TLB misses: the ru
 cpu_engine/runner.py kv_pool).
 
 Decode only: a prompt chunk is compute-bound (every weight for every token of the chunk), so the gather
-its attention needs is small beside it and it keeps PyTorch's kernel. float32 only (numba has no
-bfloat16); bfloat16 engines keep the gather.
+its attention needs is small beside it and it keeps PyTorch's kernel. float32 pools only (numba has no
+bfloat16): a float32 engine's bfloat16 pool (`cpu_kv_cache_dtype`) is read by our C kernel instead
+(paged_attention.c, `attend_into` below picks by the pool's dtype), and bfloat16 engines keep the gather.
 """
 
 from __future__ import annotations

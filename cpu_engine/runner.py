@@ -40,10 +40,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from cpu_engine import float32_gemm, fused_step
+from cpu_engine import float32_gemm, fused_step, paged_attention
 from cpu_engine.config import EngineConfig
 from cpu_engine.int8 import Int8Projection, load_int8_weights
-from cpu_engine import paged_attention
 from cpu_engine.paged_attention import paged_decode_attention, shape_of
 from cpu_engine.row_kernels import NO_ROW, RMSNorm, rotate_and_store, silu_of
 
@@ -358,7 +357,8 @@ class LlamaRunner:
                 f"({2 * torch.tensor([], dtype=self.kv_dtype).element_size() * len(self.layers) * self.kv_size} "
                 f"bytes each): lower cpu_kv_cache_tokens ({exc})") from exc
 
-        # Decode attention reads the pool in place (float32); bfloat16 gathers (see the module docstring).
+        # Decode attention reads the pool in place where the compute is float32 (the numba kernel over a float32
+        # pool, paged_attention.c over a bfloat16 one); bfloat16 compute gathers (see the module docstring).
         self.in_place_decode = self.dtype == torch.float32
         # The pools (and their layers) as numpy views, made once (the pool is never reallocated), for the numba
         # kernels.
