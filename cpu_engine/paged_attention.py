@@ -361,14 +361,11 @@ def paged_decode_attention_bfloat16(q: torch.Tensor, k_pool: torch.Tensor, v_poo
     if not bfloat16_fits(kv_heads, heads // kv_heads, head_dim):
         raise ValueError(f"the bfloat16 kernel takes head_dim {BFLOAT16_HEAD_DIMS} and up to "
                          f"{BFLOAT16_MAX_HEADS} heads, not {head_dim} and {heads}")
-    q = q.contiguous()
-    tables = tables.contiguous()
-    lengths = lengths.contiguous()
     out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
-    if bfloat16_kernel()(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.shape[1],
-                         lengths.data_ptr(), batch, kv_heads, heads // kv_heads, head_dim, block_size,
-                         float(scale), out.data_ptr()):
-        raise MemoryError("no memory for the attention kernel's partial sums")
+    bits = [pool.view(torch.int16).numpy().view(np.uint16) for pool in (k_pool, v_pool)]
+    _attend_bfloat16(bfloat16_kernel(), q.contiguous().numpy(), *bits, tables.contiguous().numpy(),
+                     lengths.contiguous().numpy(), block_size, np.float32(scale),
+                     shape_of(kv_heads, heads // kv_heads, head_dim), out.numpy())
     return out
 
 
@@ -392,3 +389,8 @@ def _attend_into_for(kernel, q, k_pool, v_pool, tables, lengths, block_size, sca
         return bfloat16_pool
     return lambda kernel, q, k_pool, v_pool, tables, lengths, block_size, scale, threads, shape, out: \
         decode_attention_into(q, k_pool, v_pool, tables, lengths, block_size, scale, threads, shape, out)
+
+
+@numba.njit(nogil=True, cache=True)
+def _attend_bfloat16(kernel, q, k_pool, v_pool, tables, lengths, block_size, scale, shape, out):  # pragma: no cover
+    attend_into(kernel, q, k_pool, v_pool, tables, lengths, block_size, scale, 1, shape, out)
