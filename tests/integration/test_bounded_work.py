@@ -58,7 +58,8 @@ def test_thousands_of_prompts_are_refused_at_once(stack: Stack) -> None:
                                  json={**body, "prompt": ["a", "b", "c", "d", "e"], "n": 4})
     assert n_times_prompts.status_code == 400 and n_times_prompts.json()["error"]["param"] == "prompt"
     # one request that is served, then the engine's count: its one token, nothing of the 6,040 refused
-    served = httpx.post(f"{stack.base_url}/completions", timeout=60, json={**body, "prompt": [[1]], "max_tokens": 1})
+    served = httpx.post(f"{stack.base_url}/completions", timeout=60,
+                        json={**body, "prompt": [[1]], "max_tokens": 1, "ignore_eos": True})
     assert served.json()["usage"]["completion_tokens"] == 1
     after = engine_settled(stack.triton_metrics_url, "tensorrt_llm", after=before)
     assert after["generated_tokens_total"] - before["generated_tokens_total"] == 1

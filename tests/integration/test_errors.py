@@ -94,7 +94,8 @@ def test_prompt_plus_max_tokens_over_the_context_gets_400_context_length_exceede
 
 
 def test_unknown_fields_are_ignored(stack: Stack) -> None:
-    body = chat(stack, max_tokens=3, some_future_field={"nested": [1, 2]}, another=True)
+    body = chat(stack, max_tokens=3, temperature=0, ignore_eos=True, some_future_field={"nested": [1, 2]},
+                another=True)
     response = httpx.post(f"{stack.base_url}/chat/completions", json=body, timeout=60)
     assert response.status_code == 200
     assert response.json()["choices"][0]["finish_reason"] == "length"

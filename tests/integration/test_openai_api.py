@@ -77,7 +77,9 @@ def test_cjk_and_emoji_prompt_round_trips_through_the_tokenizer(client: openai.O
 
 
 def test_raw_sse_framing_for_chat(stack: Stack) -> None:
+    # Greedy past EOS: six tokens whatever the random weights make of "hi" (an EOS may be sampled first).
     body = {"model": stack.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "unknown_field": {"x": 1}}
     response = httpx.post(f"{stack.base_url}/chat/completions", json=body, timeout=60)
     assert response.status_code == 200
@@ -99,7 +101,8 @@ def test_raw_sse_framing_for_chat(stack: Stack) -> None:
 
 
 def test_raw_sse_without_include_usage_sends_no_usage(stack: Stack) -> None:
-    body = {"model": stack.model, "prompt": "abc", "max_tokens": 4, "stream": True}
+    body = {"model": stack.model, "prompt": "abc", "max_tokens": 4, "stream": True, "temperature": 0,
+            "ignore_eos": True}
     response = httpx.post(f"{stack.base_url}/completions", json=body, timeout=60)
     events = sse_events(response.text)
     chunks = [json.loads(e) for e in events[:-1]]

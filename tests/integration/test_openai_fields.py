@@ -148,7 +148,7 @@ def test_sampling_extensions_change_what_they_should(client: openai.OpenAI, stac
 def test_max_completion_tokens_wins_and_default_fills_the_context(client: openai.OpenAI, stack: Stack) -> None:
     messages = [{"role": "user", "content": "limits"}]
     reply = client.chat.completions.create(model=stack.model, messages=messages, max_completion_tokens=3,
-                                           max_tokens=9)
+                                           max_tokens=9, temperature=0, extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
     unbounded = client.chat.completions.create(model=stack.model, messages=messages, temperature=0,
                                                extra_body={"ignore_eos": True})

@@ -90,7 +90,7 @@ def test_unseeded_choices_differ_and_seeded_requests_repeat_through_the_frontend
                                                                                  contract_url: str) -> None:
     """The frontend gives every choice a seed (random when the client gives none): against a backend that
     seeds unseeded requests with 0, n > 1 and repeated requests still differ; a seeded request repeats."""
-    body = {"model": stack.model, "max_tokens": 24, "temperature": 1.0, **CHAT}
+    body = {"model": stack.model, "max_tokens": 24, "temperature": 1.0, "ignore_eos": True, **CHAT}
 
     def texts(answer: httpx.Response) -> list[str]:
         assert answer.status_code == 200, answer.text
