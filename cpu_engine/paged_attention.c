@@ -5,7 +5,10 @@
  * halving the bytes gained nothing (benchmarks/README.md, scenario `l`). Here q.K takes 16 positions at a time:
  * each (position, head) leaves a vector of partial sums, and one transpose-add reduction (45 instructions) turns
  * 16 of them into 16 scores, where a horizontal sum per score costs ~8; the online softmax runs on whole vectors;
- * V rows are read in pool order (the hardware prefetchers follow them) into per-head accumulators.
+ * V rows are read 16 at a time, each KV head's query heads summing them in registers. Rows are widened without
+ * crossing lanes (widen_row: a 64-byte load, its even values shifted up, its odd ones masked), which leaves each
+ * 32 values in even/odd order: q is put in that order once per span, the sums back in the row's order at its end.
+ * Both cut the kernel's time at batch 16 x 1,024 positions of `small` by ~13% (benchmarks/README.md, scenario `l`).
  *
  * The work is cut as the numba kernel cuts it (span_positions): spans of sequences, in parallel, each with its
  * running max, sum and weighted values, merged per sequence by log-sum-exp; within a span, TILE positions at a
@@ -64,6 +67,54 @@ static inline __m512 widen16(const uint16_t *p)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* A K or V row's D bfloat16 values as D / 16 float32 vectors, in the paired order (pair_order): each 32 values
+ * one 64-byte load, its even values by a shift and its odd ones by a mask (no lane crossing); a last 16 widened
+ * as they are. */
+static inline __attribute__((always_inline)) void widen_row(const uint16_t *p, __m512 *v, const int D)
+{
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    _Pragma("GCC unroll 4") for (int j = 0; j < D / 32; j++) {
+        __m512i x = _mm512_loadu_si512((const void *)(p + 32 * j));
+        v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        v[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+    }
+    if (D % 32)
+        v[D / 16 - 1] = widen16(p + D - 16);
+}
+
+/* Where lane i of widen_row's vector j comes from in the row. */
+static inline int pair_order(int j, int i, int D)
+{
+    return 2 * (j / 2) * 16 + (j < D / 16 - (D % 32 ? 1 : 0) ? 2 * i + (j & 1) : i);
+}
+
+#define MAX_VALUE_VECTORS 24 /* accumulators a KV head's query heads may keep in registers */
+
+/* acc[G][D] += sum over the `count` rows of s[h][t] x the row's D values at `offset` (G, D constants where inlined:
+ * the G x D / 16 sums stay in registers). s rows are `stride` apart. */
+static inline __attribute__((always_inline)) void add_values(const uint16_t *const *rows, int count, long offset,
+                                                             const float *s, int stride, float *acc, const int D,
+                                                             const int G)
+{
+    const int DV = D / 16;
+    __m512 sums[8][8];
+    _Pragma("GCC unroll 8") for (int h = 0; h < G; h++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < DV; j++)
+            sums[h][j] = _mm512_loadu_ps(acc + h * D + 16 * j);
+    for (int t = 0; t < count; t++) {
+        __m512 v[8];
+        widen_row(rows[t] + offset, v, D);
+        _Pragma("GCC unroll 8") for (int h = 0; h < G; h++) {
+            __m512 w = _mm512_set1_ps(s[h * stride + t]);
+            _Pragma("GCC unroll 8") for (int j = 0; j < DV; j++)
+                sums[h][j] = _mm512_fmadd_ps(w, v[j], sums[h][j]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int h = 0; h < G; h++)
+        _Pragma("GCC unroll 8") for (int j = 0; j < DV; j++)
+            _mm512_storeu_ps(acc + h * D + 16 * j, sums[h][j]);
+}
+
 /* Positions [start, end) of one sequence: m, l [heads] <- max score, sum of exp(score - m); acc [heads][D] <- sum of
  * exp(score - m) x V. D is a constant where this is inlined (the register arrays below hold D / 16 vectors). */
 static inline __attribute__((always_inline)) void attend_span(
@@ -76,6 +127,11 @@ static inline __attribute__((always_inline)) void attend_span(
     __m512 partial[MAX_HEADS][16] __attribute__((aligned(64)));
     float s[MAX_HEADS][TILE] __attribute__((aligned(64)));
     const uint16_t *k_rows[TILE], *v_rows[TILE];
+    float qp[MAX_HEADS * 128] __attribute__((aligned(64))); /* q in widen_row's order */
+    for (int h = 0; h < heads; h++)
+        for (int j = 0; j < DV; j++)
+            for (int i = 0; i < 16; i++)
+                qp[h * D + 16 * j + i] = q[h * D + pair_order(j, i, D)];
     for (int h = 0; h < heads; h++) {
         m[h] = LOWEST;
         l[h] = 0.0f;
@@ -95,12 +151,10 @@ static inline __attribute__((always_inline)) void attend_span(
         for (int t0 = 0; t0 < padded; t0 += 16) {
             for (int t = 0; t < 16; t++) {
                 for (int g = 0; g < kv_heads; g++) {
-                    const uint16_t *kp = k_rows[t0 + t] + (long)g * D;
                     __m512 k[8];
-                    _Pragma("GCC unroll 8") for (int j = 0; j < DV; j++)
-                        k[j] = widen16(kp + 16 * j);
+                    widen_row(k_rows[t0 + t] + (long)g * D, k, D);
                     for (int h = g * group; h < g * group + group; h++) {
-                        const float *qh = q + (long)h * D;
+                        const float *qh = qp + (long)h * D;
                         __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
                         _Pragma("GCC unroll 8") for (int j = 1; j < DV; j++)
                             a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), k[j], a);
@@ -140,21 +194,34 @@ static inline __attribute__((always_inline)) void attend_span(
             }
             m[h] = new_max;
         }
-        /* values: acc[h] += sum over t of s[h][t] x V[t, h / group], each V row read once, in order */
-        for (int t = 0; t < n; t++) {
+        /* values: acc[h] += sum over t of s[h][t] x V[t, h / group], 16 positions at a time, the sums of a KV head's
+         * query heads in registers through the 16 (where they fit: group x D / 16 <= MAX_VALUE_VECTORS) */
+        for (int t0 = 0; t0 < n; t0 += 16) {
+            int count = n - t0 < 16 ? n - t0 : 16;
             for (int g = 0; g < kv_heads; g++) {
-                const uint16_t *vp = v_rows[t] + (long)g * D;
-                __m512 v[8];
-                _Pragma("GCC unroll 8") for (int j = 0; j < DV; j++)
-                    v[j] = widen16(vp + 16 * j);
-                for (int h = g * group; h < g * group + group; h++) {
-                    __m512 w = _mm512_set1_ps(s[h][t]);
-                    float *ah = acc + (long)h * D;
-                    _Pragma("GCC unroll 8") for (int j = 0; j < DV; j++)
-                        _mm512_storeu_ps(ah + 16 * j, _mm512_fmadd_ps(w, v[j], _mm512_loadu_ps(ah + 16 * j)));
+                if (group <= 8 && group * DV <= MAX_VALUE_VECTORS) {
+                    switch (group) {
+#define GROUP(G)                                                                                                    \
+    case G:                                                                                                         \
+        add_values(v_rows + t0, count, (long)g * D, &s[g * G][t0], TILE, acc + (long)g * G * D, D, G);             \
+        break;
+                        GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6) GROUP(7) GROUP(8)
+#undef GROUP
+                    }
+                } else { /* one query head at a time, each reading the 16 rows again (from L1) */
+                    for (int h = g * group; h < g * group + group; h++)
+                        add_values(v_rows + t0, count, (long)g * D, &s[h][t0], TILE, acc + (long)h * D, D, 1);
                 }
             }
         }
+    }
+    for (int h = 0; h < heads; h++) { /* the sums back in the row's order */
+        float natural[128];
+        for (int j = 0; j < DV; j++)
+            for (int i = 0; i < 16; i++)
+                natural[pair_order(j, i, D)] = acc[h * D + 16 * j + i];
+        for (int d = 0; d < D; d++)
+            acc[h * D + d] = natural[d];
     }
 }
 
@@ -176,8 +243,8 @@ static long span_positions(const int64_t *lengths, int batch, int team)
 
 /* out [batch][heads][head_dim] for q [batch][heads][head_dim] (float32) over k_pool / v_pool [positions][kv_heads]
  * [head_dim] (bfloat16 as uint16), tables [batch][table_stride] block ids, lengths [batch] (each >= 1). head_dim is
- * a multiple of 16 up to 128 (paged_attention.py checks); heads <= MAX_HEADS. Returns 0, or -1 where scratch memory could not be
- * had. */
+ * a multiple of 16 up to 128 (paged_attention.py checks); heads <= MAX_HEADS. Returns 0, or -1 where scratch memory
+ * could not be had. */
 int paged_attention(const float *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *tables,
                     int table_stride, const int64_t *lengths, int batch, int kv_heads, int group, int head_dim,
                     int block_size, float scale, float *out)

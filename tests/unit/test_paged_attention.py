@@ -149,6 +149,8 @@ def test_same_result_on_one_and_two_threads() -> None:
     ([5, 700, 129], 2, 4, 128, 4),
     ([4096, 3], 1, 2, 32, 16),  # one long sequence cut into spans beside a short one
     ([3, 40, 17], 2, 2, 16, 4),  # the unit tests' checkpoint's heads
+    ([20, 130], 1, 8, 48, 16),  # 32 values paired and a last 16; 8 query heads' sums in registers (24 vectors)
+    ([33, 260], 2, 5, 80, 8),  # too many sums for registers: one query head at a time
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_bfloat16_kernel_matches_attention_over_the_same_values(
