@@ -8,7 +8,10 @@
  * V rows are read 16 at a time, each KV head's query heads summing them in registers. Rows are widened without
  * crossing lanes (widen_row: a 64-byte load, its even values shifted up, its odd ones masked), which leaves each
  * 32 values in even/odd order: q is put in that order once per span, the sums back in the row's order at its end.
- * Both cut the kernel's time at batch 16 x 1,024 positions of `small` by ~13% (benchmarks/README.md, scenario `l`).
+ * And the memory is asked for ahead: each position's V row while its scores are computed, the next tile's K rows
+ * while this tile's values are summed (into L2; software prefetch of the current tile's rows only, tried before
+ * these, gained nothing). From memory the kernel had waited on its loads: at batch 16 x 1,024 positions of `small`
+ * the three changes take it from ~11-13 to ~20 GB/s (benchmarks/README.md, scenario `l`).
  *
  * The work is cut as the numba kernel cuts it (span_positions): spans of sequences, in parallel, each with its
  * running max, sum and weighted values, merged per sequence by log-sum-exp; within a span, TILE positions at a
@@ -150,6 +153,8 @@ static inline __attribute__((always_inline)) void attend_span(
         /* scores: s[h][t] = scale x q_h . K[t, h / group], 16 positions at a time */
         for (int t0 = 0; t0 < padded; t0 += 16) {
             for (int t = 0; t < 16; t++) {
+                for (long b = 0; b < row; b += 32) /* this position's V row, wanted after the scores */
+                    _mm_prefetch((const char *)(v_rows[t0 + t] + b), _MM_HINT_T1);
                 for (int g = 0; g < kv_heads; g++) {
                     __m512 k[8];
                     widen_row(k_rows[t0 + t] + (long)g * D, k, D);
@@ -198,6 +203,11 @@ static inline __attribute__((always_inline)) void attend_span(
          * query heads in registers through the 16 (where they fit: group x D / 16 <= MAX_VALUE_VECTORS) */
         for (int t0 = 0; t0 < n; t0 += 16) {
             int count = n - t0 < 16 ? n - t0 : 16;
+            for (long p = first + TILE + t0; p < first + TILE + t0 + 16 && p < end; p++) { /* the next tile's K */
+                const uint16_t *next = k_pool + (table[p / block_size] * block_size + p % block_size) * row;
+                for (long b = 0; b < row; b += 32)
+                    _mm_prefetch((const char *)(next + b), _MM_HINT_T1);
+            }
             for (int g = 0; g < kv_heads; g++) {
                 if (group <= 8 && group * DV <= MAX_VALUE_VECTORS) {
                     switch (group) {
