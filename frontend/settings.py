@@ -13,7 +13,7 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 from frontend.policy.auth import HashedKeys
@@ -136,6 +136,17 @@ class Settings(BaseSettings):
                                                               "their creation (purged hourly)")
     responses_max_bytes: int = Field(4 * 1024 * 1024, ge=1, description="largest stored response (response, "
                                      "input items and stream events as JSON); a larger one is not stored")
+    # Reasoning the client carries (include reasoning.encrypted_content; frontend/responses/sealing.py)
+    # Env only, like api_keys: a secret.
+    responses_reasoning_keys: CliSuppress[SecretStr | None] = Field(
+        None, description="RESPONSES_REASONING_KEYS: comma-separated keys (32+ characters each) sealing the "
+                          "reasoning returned as encrypted_content; the first seals, all open (rotation: the new "
+                          "key first, the old one kept until turns in flight are done); every worker and replica "
+                          "needs the same keys")
+    responses_reasoning_keys_file: Path | None = Field(
+        None, description="file of reasoning keys, one per line (# comments), the first sealing; neither set: a "
+                          "key made once next to a SQLite responses_db_url (responses-reasoning.key), else per "
+                          "process")
     # TLS
     ssl_certfile: Path | None = Field(None, description="PEM certificate: serve HTTPS (with ssl_keyfile)")
     ssl_keyfile: Path | None = Field(None, description="PEM private key of ssl_certfile")

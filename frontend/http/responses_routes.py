@@ -31,7 +31,8 @@ from frontend.planning.logprobs import check_logprobs_meaning
 from frontend.policy.deadlines import Deadline
 from frontend.responses.asgi import FollowResponse, ForegroundResponse
 from frontend.responses.conversation import drop_oldest_turns
-from frontend.responses.request import ResponsesRequest
+from frontend.responses.request import ReasoningItem, ReasoningText, ResponsesRequest
+from frontend.responses.sealing import ReasoningSeal, reasoning_seal
 from frontend.responses.service import ResponsesService, responses_params
 
 router = APIRouter(route_class=OffLoopJSONRoute, dependencies=[Depends(rate_limited)])
@@ -110,14 +111,39 @@ def detached(request: Request, context: ModelContext) -> tuple[Request, Callable
     return Request(scope), release
 
 
+def seal_of(request: Request) -> ReasoningSeal:
+    """The seal of encrypted reasoning, made from the settings' keys on first use in this process."""
+    state = request.app.state
+    seal = getattr(state, "reasoning_seal", None)
+    if seal is None:
+        seal = state.reasoning_seal = reasoning_seal(state.settings)
+    return seal
+
+
+def open_reasoning(req: ResponsesRequest, seal: ReasoningSeal) -> ResponsesRequest:
+    """The request with each sealed reasoning item's text opened into its `content` (what the prompt renders);
+    a blob this server did not seal, or one altered, is a 400 naming `input`."""
+    if not isinstance(req.input, list) or not any(isinstance(item, ReasoningItem) and item.encrypted_content
+                                                  for item in req.input):
+        return req
+    items = [item.model_copy(update={"content": [ReasoningText(
+                 type="reasoning_text", text=seal.open(item.encrypted_content, f"input.{i}"))]})
+             if isinstance(item, ReasoningItem) and item.encrypted_content else item
+             for i, item in enumerate(req.input)]
+    return req.model_copy(update={"input": items})
+
+
 @router.post(CREATE_ROUTE)
 async def create_response(req: ResponsesRequest, request: Request) -> Response:
     caller = owner(request)  # the edge gave the request its deadline, as it gives chat and completions theirs
     responses = service(request)
+    req = open_reasoning(req, seal_of(request))
     prepared, chat, messages = await responses.prepare(req, caller)
     context = await model_context(request, req.model)
     planned = await planned_prompt(request, chat, messages, context, req.truncation)
     run = responses.run(prepared, context.served_model_name, context.tokenizer)
+    run.assembler.configure(req.offered_tools, req.chosen_tool,
+                            seal_of(request).seal if req.wants_encrypted_reasoning else None)
     request_id = request_context(request).request_id
     if req.background:
         background, release = detached(request, context)

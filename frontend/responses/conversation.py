@@ -9,6 +9,8 @@ token-identical to the chat one and the engine's prefix cache finds the previous
 - `function_call` -> a tool call of the assistant message just before it (the turn's text), or of a new
   assistant message with no content when it follows anything else;
 - `function_call_output` -> a `tool` message answering its `call_id`;
+- `custom_tool_call` / `_output` -> the same, the call's input as the one argument of the function the
+  model was offered, a namespaced call under its `<namespace>__<name>` (frontend/responses/tools.py);
 - `reasoning` -> the `reasoning_content` of the assistant message that follows it (templates that render
   reasoning in history, Qwen3's for one, read it there; the others ignore it).
 `instructions` are the first, system, message: this request's only, never a previous response's (as OpenAI
@@ -22,12 +24,13 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from frontend.openai.errors import OpenAIError, invalid_request
 from frontend.openai.schemas import ChatMessage, FunctionCallIn, ToolCallIn
-from frontend.responses.objects import (function_call_item, function_call_output_item, message_item, new_id,
-                                        output_text_part, reasoning_item)
-from frontend.responses.request import (FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem,
-                                        TextPart)
+from frontend.responses.objects import (custom_tool_call_item, function_call_item, function_call_output_item,
+                                        message_item, new_id, output_text_part, reasoning_item)
+from frontend.responses.request import (CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem, MessageItem,
+                                        ReasoningItem, TextPart)
+from frontend.responses.tools import custom_arguments, model_name
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+Item = MessageItem | FunctionCallItem | CustomToolCallItem | FunctionCallOutputItem | ReasoningItem
 T = TypeVar("T")
 
 
@@ -41,9 +44,13 @@ def stored_item(item: Item) -> dict[str, Any]:
             return message_item(item_id, "assistant", [output_text_part(part.text) for part in parts])
         return message_item(item_id, item.role, [{"type": "input_text", "text": part.text} for part in parts])
     if isinstance(item, FunctionCallItem):
-        return function_call_item(item.id or new_id("fc"), item.call_id, item.name, item.arguments)
+        return function_call_item(item.id or new_id("fc"), item.call_id, item.name, item.arguments,
+                                  namespace=item.namespace)
+    if isinstance(item, CustomToolCallItem):
+        return custom_tool_call_item(item.id or new_id("ctc"), item.call_id, item.name, item.input,
+                                     namespace=item.namespace)
     if isinstance(item, FunctionCallOutputItem):
-        return function_call_output_item(item.id or new_id("fco"), item.call_id, item.text)
+        return function_call_output_item(item.id or new_id("fco"), item.call_id, item.text, item.type)
     return reasoning_item(item.id or new_id("rs"), item.text,
                           [part.model_dump() for part in item.summary if part.type == "summary_text"])
 
@@ -76,16 +83,20 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None,
         if kind == "reasoning":
             pending_reasoning += _text(item.get("content") or [])
             continue
-        if kind == "function_call":
-            _arguments_object(item["arguments"], f"{param}.arguments")
-            call = ToolCallIn(id=item["call_id"], function=FunctionCallIn(name=item["name"],
-                                                                          arguments=item["arguments"]))
+        if kind in ("function_call", "custom_tool_call"):
+            if kind == "function_call":
+                arguments = item["arguments"]
+                _arguments_object(arguments, f"{param}.arguments")
+            else:  # offered to the model as a function of one string argument (frontend/responses/tools.py)
+                arguments = custom_arguments(item["input"])
+            call = ToolCallIn(id=item["call_id"], function=FunctionCallIn(
+                name=model_name(item["name"], item.get("namespace")), arguments=arguments))
             if extends_turn:
                 last = messages[-1]
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             messages.append(ChatMessage(role="tool", content=item["output"], tool_call_id=item["call_id"]))
         else:
             messages.append(ChatMessage(role=item["role"], content=_text(item["content"])))

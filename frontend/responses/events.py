@@ -8,7 +8,8 @@ them (`numbered`), so that a stored stream replays with the same numbers. A fram
 Order, per output item: `response.output_item.added`, then for a message `response.content_part.added`,
 `response.output_text.delta` …, `response.output_text.done`, `response.content_part.done`; for reasoning
 the same with `response.reasoning_text.*`; for a function call `response.function_call_arguments.delta` …
-and `.done`; then `response.output_item.done` (frontend/responses/output.py drives this order).
+and `.done`, for a custom tool's call `response.custom_tool_call_input.delta` … and `.done`; then
+`response.output_item.done` (frontend/responses/output.py drives this order).
 """
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ def function_call_arguments_delta(item_id: str, output_index: int, delta: str) -
 def function_call_arguments_done(item_id: str, output_index: int, name: str, arguments: str) -> Event:
     return {"type": "response.function_call_arguments.done", "item_id": item_id, "output_index": output_index,
             "name": name, "arguments": arguments}
+
+
+def custom_tool_call_input_delta(item_id: str, output_index: int, delta: str) -> Event:
+    return {"type": "response.custom_tool_call_input.delta", "item_id": item_id, "output_index": output_index,
+            "delta": delta}
+
+
+def custom_tool_call_input_done(item_id: str, output_index: int, text: str) -> Event:
+    return {"type": "response.custom_tool_call_input.done", "item_id": item_id, "output_index": output_index,
+            "input": text}
 
 
 def error_event(message: str, code: str | None, param: str | None) -> Event:

@@ -36,25 +36,44 @@ def message_item(item_id: str, role: str, content: list[dict[str, Any]], status:
 
 
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str,
-                       status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+                       status: str = "completed", namespace: str | None = None) -> dict[str, Any]:
+    """A function call; a namespaced function's has its `namespace` apart from its `name`, as OpenAI's."""
+    item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
-def function_call_output_item(item_id: str, call_id: str, output: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call_output", "call_id": call_id, "output": output,
-            "status": "completed"}
+def custom_tool_call_item(item_id: str, call_id: str, name: str, text: str, status: str = "completed",
+                          namespace: str | None = None) -> dict[str, Any]:
+    item = {"id": item_id, "type": "custom_tool_call", "call_id": call_id, "name": name, "input": text,
+            "status": status}
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
+
+
+def function_call_output_item(item_id: str, call_id: str, output: str,
+                              kind: str = "function_call_output") -> dict[str, Any]:
+    """A call's output sent back (`function_call_output`, or `custom_tool_call_output`)."""
+    return {"id": item_id, "type": kind, "call_id": call_id, "output": output, "status": "completed"}
 
 
 def reasoning_item(item_id: str, text: str, summary: list[dict[str, Any]] | None = None,
-                   status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id, "type": "reasoning", "summary": summary or [],
+                   status: str = "completed", encrypted_content: str | None = None) -> dict[str, Any]:
+    item = {"id": item_id, "type": "reasoning", "summary": summary or [],
             "content": [{"type": "reasoning_text", "text": text}] if text else [], "status": status}
+    if encrypted_content is not None:
+        item["encrypted_content"] = encrypted_content
+    return item
 
 
 # ----- the response --------------------------------------------------------------------------------------
 def tool_choice_echo(choice: str | FunctionToolChoice) -> str | dict[str, str]:
-    return choice if isinstance(choice, str) else {"type": "function", "name": choice.name}
+    if isinstance(choice, str):
+        return choice
+    return {"type": choice.type, "name": choice.name}
 
 
 def request_echo(req: ResponsesRequest) -> dict[str, Any]:
@@ -77,7 +96,7 @@ def request_echo(req: ResponsesRequest) -> dict[str, Any]:
         "temperature": req.temperature,
         "text": {"format": text_format, "verbosity": (req.text.verbosity if req.text else None) or "medium"},
         "tool_choice": tool_choice_echo(req.effective_tool_choice),
-        "tools": [tool.model_dump(exclude_none=True) for tool in req.tools or []],
+        "tools": [tool.echo() for tool in req.tools or []],  # hosted ones too: accepted, never run (README)
         "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
         "top_p": req.top_p,
         "truncation": req.truncation,

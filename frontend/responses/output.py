@@ -5,19 +5,25 @@ deltas and drops the events), so that a streamed response's items are exactly th
 chat pipeline's parsers have already split each delta into reasoning, text and tool-call fragments
 (frontend/generation/serving.py `parse_answer`); here each kind becomes an output item, opened when its
 first fragment comes and closed when another kind begins or the answer ends:
-reasoning -> `reasoning`, text -> `message` (one `output_text` part), each tool call -> `function_call`.
+reasoning -> `reasoning`, text -> `message` (one `output_text` part), each tool call -> `function_call`
+(with its `namespace` for a namespaced function), or `custom_tool_call` for a custom tool (its input streamed
+as `response.custom_tool_call_input.*`); with a custom tool forced, the text is that call's input.
+With include `reasoning.encrypted_content`, each finished reasoning item also carries its text sealed
+(`seal`, frontend/responses/sealing.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from frontend.generation.serving import TextDelta, TokenInfo
 from frontend.responses import events
 from frontend.responses.events import Event
-from frontend.responses.objects import (function_call_item, message_item, new_id, output_text_part,
-                                        reasoning_item)
+from frontend.responses.objects import (custom_tool_call_item, function_call_item, message_item, new_id,
+                                        output_text_part, reasoning_item)
+from frontend.responses.request import OfferedTool
+from frontend.responses.tools import custom_input
 
 
 class TokenStrings(Protocol):
@@ -40,7 +46,7 @@ def logprob_entries(tokens: list[TokenInfo], strings: TokenStrings, top_n: int) 
 
 @dataclass
 class _OpenItem:
-    kind: str  # "reasoning", "message" or "function_call"
+    kind: str  # "reasoning", "message", "function_call" or "custom_tool_call"
     output_index: int
     item_id: str
     text: str = ""  # reasoning or message text; a call's arguments
@@ -48,6 +54,8 @@ class _OpenItem:
     name: str = ""  # function_call
     call_id: str = ""
     call_index: int = -1  # the parser's index of this call
+    namespace: str | None = None
+    from_text: bool = False  # a forced custom tool's call: its input is the answer's text
 
 
 class OutputAssembler:
@@ -60,6 +68,15 @@ class OutputAssembler:
         self.finish_reason: str | None = None
         self.reasoning_tokens = 0
         self._open: _OpenItem | None = None
+        self.tools: dict[str, OfferedTool] = {}  # the offered tools by the name the model calls them
+        self.freeform: OfferedTool | None = None  # a forced custom tool: the text is its input
+        self.seal: Callable[[str], str] | None = None  # include reasoning.encrypted_content
+
+    def configure(self, tools: list[OfferedTool], forced: OfferedTool | None,
+                  seal: Callable[[str], str] | None) -> None:
+        self.tools = {tool.model_name: tool for tool in tools}
+        self.freeform = forced if forced is not None and forced.kind == "custom" else None
+        self.seal = seal
 
     # ----- deltas ------------------------------------------------------------------------------------
     def feed(self, delta: TextDelta) -> list[Event]:
@@ -70,7 +87,11 @@ class OutputAssembler:
             out.append(events.reasoning_text_delta(item.item_id, item.output_index, 0, delta.reasoning))
             if not delta.text and not delta.tool_calls:
                 self.reasoning_tokens += len(delta.tokens)
-        if delta.text:
+        if delta.text and self.freeform is not None:
+            item = self._ensure(out, "custom_tool_call")
+            item.text += delta.text
+            out.append(events.custom_tool_call_input_delta(item.item_id, item.output_index, delta.text))
+        elif delta.text:
             item = self._ensure(out, "message")
             logprobs = self._logprobs(delta.tokens)
             item.text += delta.text
@@ -78,13 +99,16 @@ class OutputAssembler:
             out.append(events.output_text_delta(item.item_id, item.output_index, 0, delta.text, logprobs))
         for call in delta.tool_calls:
             open_item = self._open
-            if open_item is None or open_item.kind != "function_call" or open_item.call_index != call.index:
+            if (open_item is None or open_item.kind not in ("function_call", "custom_tool_call")
+                    or open_item.from_text or open_item.call_index != call.index):
                 item = self._start(out, "function_call", call.name or "", call.index)
             else:
                 item = open_item
             if call.arguments:
                 item.text += call.arguments
-                out.append(events.function_call_arguments_delta(item.item_id, item.output_index, call.arguments))
+                if item.kind == "function_call":  # a custom tool's input is known once its call is whole
+                    out.append(events.function_call_arguments_delta(item.item_id, item.output_index,
+                                                                    call.arguments))
         if delta.finish_reason is not None:
             out += self.finish(delta.finish_reason)
         return out
@@ -95,7 +119,7 @@ class OutputAssembler:
         self.finish_reason = finish_reason
         out: list[Event] = []
         if self._open is None and not self.output:
-            self._start(out, "message")
+            self._start(out, "message" if self.freeform is None else "custom_tool_call")
         self._close(out, "incomplete" if finish_reason == "length" else "completed")
         return out
 
@@ -123,9 +147,17 @@ class OutputAssembler:
 
     def _start(self, out: list[Event], kind: str, name: str = "", call_index: int = -1) -> _OpenItem:
         self._close(out, "completed")
-        prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
+        namespace, from_text = None, False
+        if kind == "custom_tool_call" and self.freeform is not None:  # the answer's text is its input
+            name, namespace, from_text = self.freeform.name, self.freeform.namespace, True
+        elif kind == "function_call" and name in self.tools:  # the name the model knows it by
+            tool = self.tools[name]
+            kind = "custom_tool_call" if tool.kind == "custom" else kind
+            name, namespace = tool.name, tool.namespace
+        prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc", "custom_tool_call": "ctc"}[kind]
         item = _OpenItem(kind, len(self.output), new_id(prefix), name=name, call_index=call_index,
-                         call_id=new_id("call") if kind == "function_call" else "")
+                         call_id=new_id("call") if kind.endswith("call") else "", namespace=namespace,
+                         from_text=from_text)
         self._open = item
         out.append(events.output_item_added(item.output_index, self._item(item, "in_progress", added=True)))
         if kind == "message":
@@ -147,6 +179,12 @@ class OutputAssembler:
             out.append(events.reasoning_text_done(item.item_id, item.output_index, 0, item.text))
             out.append(events.content_part_done(item.item_id, item.output_index, 0,
                                                 {"type": "reasoning_text", "text": item.text}))
+        elif item.kind == "custom_tool_call":
+            if not item.from_text:
+                item.text = custom_input(item.text)
+                if item.text:
+                    out.append(events.custom_tool_call_input_delta(item.item_id, item.output_index, item.text))
+            out.append(events.custom_tool_call_input_done(item.item_id, item.output_index, item.text))
         else:
             out.append(events.function_call_arguments_done(item.item_id, item.output_index, item.name, item.text))
         done = self._item(item, status)
@@ -162,5 +200,12 @@ class OutputAssembler:
         if item.kind == "message":
             return message_item(item.item_id, "assistant", [] if added else [self._part(item)], status)
         if item.kind == "reasoning":
-            return reasoning_item(item.item_id, "" if added else item.text, status=status)
-        return function_call_item(item.item_id, item.call_id, item.name, "" if added else item.text, status)
+            sealed = None
+            if self.seal is not None and not added and status != "in_progress":
+                sealed = self.seal(item.text)
+            return reasoning_item(item.item_id, "" if added else item.text, status=status, encrypted_content=sealed)
+        if item.kind == "custom_tool_call":
+            return custom_tool_call_item(item.item_id, item.call_id, item.name, "" if added else item.text, status,
+                                         item.namespace)
+        return function_call_item(item.item_id, item.call_id, item.name, "" if added else item.text, status,
+                                  item.namespace)

@@ -10,9 +10,10 @@ Item and part types are checked before pydantic's union matching, so that a wron
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from frontend.openai.errors import invalid_request
 from frontend.openai.schemas import (INT32_MAX, SEED_LIMIT, ClientRequest, ClientStr, Fp32, RequestModel,
@@ -27,8 +28,28 @@ MAX_METADATA_VALUE_CHARS = 512
 MAX_ID_CHARS = 128  # ids a client echoes back to us (previous_response_id, call ids)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-SUPPORTED_INCLUDES = (LOGPROBS_INCLUDE,)
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+ENCRYPTED_REASONING_INCLUDE = "reasoning.encrypted_content"
+# OpenAI's `include` values (openai-python's ResponseIncludable): all accepted. The logprobs and the encrypted
+# reasoning are filled; the others name outputs of tools this server does not run, or of images it does
+# not take, so they add nothing.
+SUPPORTED_INCLUDES = (
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+    ENCRYPTED_REASONING_INCLUDE, LOGPROBS_INCLUDE,
+)
+ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+              "reasoning")
+# Tools OpenAI runs on its side (hosted): accepted, echoed, never offered to the model (this server runs none
+# of them); a tool_choice that requires one is a 400. `shell` and `apply_patch` are OpenAI's own client tools
+# whose calls only OpenAI's models write: not offered either.
+HOSTED_TOOL_TYPES = (
+    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
+    "code_interpreter", "image_generation", "computer", "computer_use", "computer_use_preview", "mcp",
+    "tool_search", "programmatic_tool_calling", "shell", "apply_patch",
+)
+OFFERED_TOOL_TYPES = ("function", "custom", "namespace")
+CHOICE_TYPES = ("allowed_tools", "local_shell")  # other tool_choice shapes OpenAI has, refused here
+NAMESPACE_SEPARATOR = "__"  # a namespaced function as the model sees it: <namespace>__<name>
 TEXT_PART_TYPES = ("input_text", "output_text")
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
@@ -61,11 +82,23 @@ class FunctionCallItem(RequestModel):
     id: ItemId | None = None
     call_id: ItemId
     name: Name
+    namespace: Name | None = None  # a function of a `namespace` tool
     arguments: ClientStr  # JSON text of an object, as the model wrote it
 
 
+class CustomToolCallItem(RequestModel):
+    """A call of a custom tool the model made earlier: its freeform input."""
+
+    type: Literal["custom_tool_call"]
+    id: ItemId | None = None
+    call_id: ItemId
+    name: Name
+    namespace: Name | None = None
+    input: ClientStr
+
+
 class FunctionCallOutputItem(RequestModel):
-    type: Literal["function_call_output"]
+    type: Literal["function_call_output", "custom_tool_call_output"]
     id: ItemId | None = None
     call_id: ItemId
     output: ClientStr | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
@@ -81,7 +114,9 @@ class ReasoningText(RequestModel):
 
 
 class ReasoningItem(RequestModel):
-    """Reasoning of an earlier turn, in the clear (this server never encrypts it)."""
+    """Reasoning of an earlier turn: in the clear (`content`), or as this server sealed it (`encrypted_content`,
+    include `reasoning.encrypted_content`), opened again before the prompt is rendered (frontend/responses/
+    sealing.py)."""
 
     type: Literal["reasoning"]
     id: ItemId | None = None
@@ -94,7 +129,7 @@ class ReasoningItem(RequestModel):
         return "".join(part.text for part in self.content or [])
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+InputItem = Annotated[MessageItem | FunctionCallItem | CustomToolCallItem | FunctionCallOutputItem | ReasoningItem,
                       Field(discriminator="type")]
 
 
@@ -107,10 +142,80 @@ class FunctionTool(RequestModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    def echo(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class CustomToolFormat(RequestModel):
+    """A custom tool's input: free text, or text of a grammar (`lark` or `regex` syntax)."""
+
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: ClientStr | None = None
+
+    @model_validator(mode="after")
+    def _grammar_given(self) -> "CustomToolFormat":
+        if self.type == "grammar" and (self.syntax is None or not self.definition):
+            raise invalid_request("a custom tool's format of type grammar needs a syntax (lark or regex) and a "
+                                  "definition", "tools")
+        return self
+
+
+class CustomTool(RequestModel):
+    """A tool whose input is freeform text (no JSON arguments), optionally of a grammar."""
+
+    type: Literal["custom"]
+    name: Name
+    description: ClientStr | None = None
+    format: CustomToolFormat | None = None
+
+    def echo(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class NamespaceTool(RequestModel):
+    """Function and custom tools grouped under a name: offered to the model as `<namespace>__<name>`, their calls
+    returned with `name` and `namespace` apart, as OpenAI returns them."""
+
+    type: Literal["namespace"]
+    name: Name
+    description: ClientStr | None = None
+    tools: Annotated[list[Annotated[FunctionTool | CustomTool, Field(discriminator="type")]],
+                     Field(min_length=1, max_length=MAX_TOOLS)]
+
+    def echo(self) -> dict[str, Any]:
+        return {"type": "namespace", "name": self.name, "description": self.description or "",
+                "tools": [tool.echo() for tool in self.tools]}
+
+
+class HostedTool(RequestModel):
+    """A tool OpenAI runs (web search, file search, ...): accepted and echoed as sent, never offered."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+    def echo(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+Tool = FunctionTool | CustomTool | NamespaceTool | HostedTool
+
+
+@dataclass(frozen=True)
+class OfferedTool:
+    """A tool as the model sees it: a function (a custom tool's input is its one string argument)."""
+
+    model_name: str  # the function name in the prompt: the tool's, or `<namespace>__<name>`
+    name: str
+    namespace: str | None
+    kind: str  # "function" or "custom"
+    tool: FunctionTool | CustomTool
+
 
 class FunctionToolChoice(RequestModel):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: ClientStr
+    namespace: ClientStr | None = None
 
 
 class TextFormat(RequestModel):
@@ -169,7 +274,7 @@ def _check_item_types(items: Any) -> Any:
                                       f"{', '.join(ITEM_TYPES)})", f"input.{i}.type")
             if kind == "message":
                 _check_part_types(item.get("content"), ("input", i, "content"), TEXT_PART_TYPES)
-            elif kind == "function_call_output":
+            elif kind in ("function_call_output", "custom_tool_call_output"):
                 _check_part_types(item.get("output"), ("input", i, "output"), ("input_text",))
         checked.append(item)
     return checked
@@ -180,7 +285,7 @@ class ResponsesRequest(ClientRequest):
     input: ClientStr | list[InputItem] | None = None
     instructions: ClientStr | None = None
     previous_response_id: ItemId | None = None
-    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool = True
     max_tool_calls: int | None = Field(None, ge=1, le=INT32_MAX)  # OpenAI's is for built-in tools: echoed only
@@ -211,20 +316,41 @@ class ResponsesRequest(ClientRequest):
 
     @field_validator("tools", mode="before")
     @classmethod
-    def _function_tools_only(cls, value: Any) -> Any:
-        for i, tool in enumerate(value if isinstance(value, list) else []):
+    def _known_tool_types(cls, value: Any) -> Any:
+        """Each tool parsed as its type's model (so an error names the tool); unknown types (`local_shell`
+        among them: see the README) are a 400 naming the tool."""
+        if not isinstance(value, list):
+            return value
+        tools: list[Any] = []
+        for i, tool in enumerate(value):
             kind = tool.get("type") if isinstance(tool, dict) else None
-            if isinstance(kind, str) and kind != "function":
-                raise invalid_request(f"tools.{i}: tools of type {kind[:40]!r} are not supported (function tools "
-                                      "only: this server runs no built-in tools)", f"tools.{i}.type")
-        return value
+            if not isinstance(kind, str):
+                raise invalid_request(f"tools.{i}: a tool needs a type", f"tools.{i}.type")
+            if kind not in OFFERED_TOOL_TYPES and kind not in HOSTED_TOOL_TYPES:
+                raise invalid_request(f"tools.{i}: tools of type {kind[:40]!r} are not supported (supported: "
+                                      f"function, custom, namespace; accepted and not run: "
+                                      f"{', '.join(HOSTED_TOOL_TYPES)})", f"tools.{i}.type")
+            model = {"function": FunctionTool, "custom": CustomTool, "namespace": NamespaceTool}.get(kind, HostedTool)
+            try:
+                tools.append(model.model_validate(tool))
+            except ValidationError as exc:
+                error = exc.errors()[0]
+                where = client_error_path(("tools", i, *error["loc"]))
+                raise invalid_request(f"{where}: {error['msg']}", where) from None
+        return tools
 
     @field_validator("tool_choice", mode="before")
     @classmethod
-    def _function_choice_only(cls, value: Any) -> Any:
-        if isinstance(value, dict) and value.get("type") != "function":
-            raise invalid_request("tool_choice: only none, auto, required or {\"type\": \"function\", \"name\": ...} "
-                                  "are supported", "tool_choice")
+    def _choice_shape(cls, value: Any) -> Any:
+        """A hosted tool's type (`{"type": "web_search"}`) or an MCP server can be named, and never run here."""
+        if isinstance(value, dict) and value.get("type") not in ("function", "custom"):
+            kind = value.get("type")
+            if isinstance(kind, str) and (kind in HOSTED_TOOL_TYPES or kind in CHOICE_TYPES):
+                raise invalid_request(f"tool_choice: {kind[:40]!r} is a tool this server does not run (it takes the "
+                                      "tool and never offers it to the model): it cannot be required",
+                                      "tool_choice")
+            raise invalid_request("tool_choice: only none, auto, required, {\"type\": \"function\", \"name\": ...} "
+                                  "or {\"type\": \"custom\", \"name\": ...} are supported", "tool_choice")
         return value
 
     @field_validator("metadata")
@@ -253,14 +379,15 @@ class ResponsesRequest(ClientRequest):
                                       f"{', '.join(SUPPORTED_INCLUDES)})", "include")
         if self.background and not self.store:
             raise invalid_request("background responses must be stored: background needs store true", "background")
-        names = [tool.name for tool in self.tools or []]
+        names = [tool.model_name for tool in self.offered_tools]
         if len(set(names)) != len(names):
-            raise invalid_request("tool names must be unique", "tools")
-        if self.tool_choice not in (None, "none") and not self.tools:
-            raise invalid_request("tool_choice needs tools", "tool_choice")
-        if isinstance(self.tool_choice, FunctionToolChoice) and self.tool_choice.name not in names:
-            raise invalid_request(f"tool_choice names {self.tool_choice.name[:64]!r}, which is not one of the tools",
-                                  "tool_choice")
+            raise invalid_request("tool names must be unique (a namespace's functions count as "
+                                  f"<namespace>{NAMESPACE_SEPARATOR}<name>)", "tools")
+        if self.tool_choice not in (None, "none") and not self.offered_tools:
+            raise invalid_request("tool_choice needs function, custom or namespace tools (this server offers the "
+                                  "model no other kind)", "tool_choice")
+        if isinstance(self.tool_choice, FunctionToolChoice):
+            self.chosen_tool  # a 400 naming tool_choice if it names no offered tool
         if self.top_logprobs and not self.wants_logprobs:
             raise invalid_request(f"top_logprobs needs include [{LOGPROBS_INCLUDE!r}]", "top_logprobs")
         return self
@@ -270,13 +397,47 @@ class ResponsesRequest(ClientRequest):
         return LOGPROBS_INCLUDE in (self.include or [])
 
     @property
-    def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]:
+    def items(self) -> list[MessageItem | FunctionCallItem | CustomToolCallItem | FunctionCallOutputItem
+                            | ReasoningItem]:
         """`input` as items: a string is one user message."""
         if self.input is None:
             return []
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
+
+    @property
+    def wants_encrypted_reasoning(self) -> bool:
+        return ENCRYPTED_REASONING_INCLUDE in (self.include or [])
+
+    @property
+    def offered_tools(self) -> list[OfferedTool]:
+        """The tools the model is offered, namespaces flattened (hosted tools are not offered)."""
+        offered = []
+        for tool in self.tools or []:
+            if isinstance(tool, NamespaceTool):
+                offered += [OfferedTool(f"{tool.name}{NAMESPACE_SEPARATOR}{member.name}", member.name, tool.name,
+                                        member.type, member) for member in tool.tools]
+            elif isinstance(tool, (FunctionTool, CustomTool)):
+                offered.append(OfferedTool(tool.name, tool.name, None, tool.type, tool))
+        return offered
+
+    @property
+    def chosen_tool(self) -> OfferedTool | None:
+        """The tool a named tool_choice forces: a function or custom tool by name, in `namespace` if given
+        (else a top-level tool, else the one namespaced tool of that name)."""
+        choice = self.tool_choice
+        if not isinstance(choice, FunctionToolChoice):
+            return None
+        matches = [tool for tool in self.offered_tools if tool.name == choice.name and tool.kind == choice.type
+                   and (choice.namespace is None or tool.namespace == choice.namespace)]
+        if choice.namespace is None and len(matches) > 1:
+            matches = [tool for tool in matches if tool.namespace is None] or matches
+        if len(matches) != 1:
+            raise invalid_request(f"tool_choice names {choice.type} tool {choice.name[:64]!r}, which is "
+                                  f"{'not one of the tools' if not matches else 'ambiguous: give its namespace'}",
+                                  "tool_choice")
+        return matches[0]
 
     @property
     def format(self) -> TextFormat:

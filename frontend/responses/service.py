@@ -25,14 +25,14 @@ from sqlalchemy.engine import make_url
 
 from frontend.generation.serving import Generation
 from frontend.openai.errors import OpenAIError, invalid_request
-from frontend.openai.schemas import (ChatCompletionRequest, ChatMessage, FunctionDefinition, JsonSchemaFormat,
-                                     NamedFunction, NamedToolChoice, ResponseFormat, ToolDefinition)
+from frontend.openai.schemas import ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat
 from frontend.responses.conversation import conversation_messages, stored_item
 from frontend.responses.events import Event
 from frontend.responses.objects import TERMINAL_STATUSES, deleted_object, item_list, new_id, now, request_echo
 from frontend.responses.output import TokenStrings
-from frontend.responses.request import FunctionToolChoice, ResponsesRequest
+from frontend.responses.request import ResponsesRequest
 from frontend.responses.run import Prepared, ResponseRun
+from frontend.responses.tools import chat_tools
 from frontend.responses.store import ChainTooLong, ResponseStore, ResponseTooLarge
 from frontend.settings import Settings
 
@@ -44,7 +44,8 @@ MAX_CONVERSATION_ITEMS = 4096  # a previous_response_id chain's items and this r
 
 # The chat pipeline names chat fields in its errors; a Responses client sent these instead.
 RESPONSES_PARAMS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens",
-                    "max_completion_tokens": "max_output_tokens", "logprobs": "include"}
+                    "max_completion_tokens": "max_output_tokens", "logprobs": "include",
+                    "guided_regex": "tools"}
 
 
 @contextlib.contextmanager
@@ -72,16 +73,11 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
         response_format = ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat.model_validate({
             "name": text_format.name, "description": text_format.description, "schema": text_format.schema_,
             "strict": text_format.strict}))
-    choice = req.tool_choice
     with responses_params():
         return ChatCompletionRequest(
             model=req.model,
             messages=[ChatMessage(role="user", content="")],  # rendered from `messages` (the template input)
-            tools=[ToolDefinition(type="function", function=FunctionDefinition(
-                **tool.model_dump(include={"name", "description", "parameters", "strict"}, exclude_none=True)))
-                   for tool in req.tools] if req.tools else None,
-            tool_choice=(NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
-                         if isinstance(choice, FunctionToolChoice) else choice),
+            **chat_tools(req),  # tools, tool_choice (and a forced custom tool's regex): frontend/responses/tools.py
             parallel_tool_calls=req.parallel_tool_calls,
             response_format=response_format,
             max_completion_tokens=req.max_output_tokens,
