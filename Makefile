@@ -13,7 +13,17 @@ WEIGHTS ?=
 NAME ?=
 VERSION ?=
 KEEP_VERSIONS ?=
-ENGINE_FLAGS := --backend $(BACKEND) --output-dir $(BUILD) $(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET)) $(if $(WEIGHTS),--weights $(WEIGHTS))
+# Capacity (README, "Long prompts"): MAX_SEQ_LEN (prompt + output tokens of one sequence), MAX_BATCH_SIZE,
+# KV_CACHE_TOKENS (CPU: the paged KV cache, shared), MAX_NUM_TOKENS (tokens per engine step); ENGINE_ARGS: any other
+# `python -m build_engine` flags, as they are (e.g. ENGINE_ARGS="--dtype bfloat16 --max-input-len 30000").
+MAX_SEQ_LEN ?=
+MAX_BATCH_SIZE ?=
+KV_CACHE_TOKENS ?=
+MAX_NUM_TOKENS ?=
+ENGINE_ARGS ?=
+ENGINE_FLAGS := --backend $(BACKEND) --output-dir $(BUILD) $(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET)) $(if $(WEIGHTS),--weights $(WEIGHTS)) \
+	$(if $(MAX_SEQ_LEN),--max-seq-len $(MAX_SEQ_LEN)) $(if $(MAX_BATCH_SIZE),--max-batch-size $(MAX_BATCH_SIZE)) \
+	$(if $(KV_CACHE_TOKENS),--kv-cache-tokens $(KV_CACHE_TOKENS)) $(if $(MAX_NUM_TOKENS),--max-num-tokens $(MAX_NUM_TOKENS)) $(ENGINE_ARGS)
 NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-versions $(KEEP_VERSIONS))
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)

@@ -39,8 +39,17 @@ TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
-    ({"tools": [{"type": "web_search_preview"}]}, "tools.0.type"),
+    ({"include": ["reasoning.no_such_thing"]}, "include"),
+    ({"tools": [{"type": "no_such_tool"}]}, "tools.0.type"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "mcp", "server_label": "s"}], "tool_choice": {"type": "mcp", "server_label": "s"}},
+     "tool_choice"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "f"}]},
+                {"type": "function", "name": "ns__f"}]}, "tools"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]}, "tools.0.tools.0"),
+    ({"tools": [{"type": "custom", "name": "c", "format": {"type": "grammar", "syntax": "regex"}}]}, "tools"),
+    ({"tools": [TOOL], "tool_choice": {"type": "custom", "name": "f"}}, "tool_choice"),
     ({"tools": [TOOL, TOOL]}, "tools"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -89,3 +98,42 @@ def test_the_echo_parses_as_the_clients_response_and_the_chat_request_carries_th
     assert not chat.parallel_tool_calls and chat.requested_max_tokens == 7 and chat.seed == 3
     assert chat.logprobs and chat.top_logprobs == 2 and chat.temperature == 0.5 and chat.top_p == 0.9
     assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.name == "s"
+
+
+# ----- round 2: what the Codex CLI sends (namespace and hosted tools, every include value) --------------------
+NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "agents",
+             "tools": [{"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}]}
+CUSTOM = {"type": "custom", "name": "code", "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]+"}}
+HOSTED = [{"type": "web_search", "external_web_access": False}, {"type": "file_search", "vector_store_ids": ["v"]},
+          {"type": "code_interpreter", "container": {"type": "auto"}}, {"type": "image_generation"},
+          {"type": "computer_use_preview", "display_width": 1, "display_height": 1, "environment": "linux"},
+          {"type": "mcp", "server_label": "s", "server_url": "https://example.invalid"}]
+ALL_INCLUDES = ["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                "message.input_image.image_url", "computer_call_output.output.image_url",
+                "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs"]
+
+
+def test_namespace_custom_hosted_tools_and_every_include_are_accepted(client: TestClient) -> None:
+    status, body = post(client, {"model": "m", "input": "hi", "tools": [TOOL, NAMESPACE, CUSTOM, *HOSTED],
+                                 "include": ALL_INCLUDES, "store": False, "reasoning": {"summary": "auto"},
+                                 "prompt_cache_key": "k", "client_metadata": {"a": "b"}})
+    assert status == 200, body
+
+
+def test_the_model_is_offered_functions_only_and_the_echo_keeps_every_tool() -> None:
+    req = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [TOOL, NAMESPACE, CUSTOM, *HOSTED],
+                                           "tool_choice": {"type": "function", "name": "spawn_agent"}})
+    chat = chat_request(req, [{"role": "user", "content": "hi"}])
+    assert [t.function.name for t in chat.tools] == ["f", "multi_agent_v1__spawn_agent", "code"]
+    assert chat.tools[2].function.parameters["required"] == ["input"]  # a custom tool: one string argument
+    assert chat.tool_choice.function.name == "multi_agent_v1__spawn_agent"
+    echo = request_echo(req)
+    assert [t["type"] for t in echo["tools"]] == ["function", "namespace", "custom", *(t["type"] for t in HOSTED)]
+    Response.model_validate(response_object(echo, response_id="resp_1", created_at=1, model="m",
+                                            status="completed", output=[]))
+    forced = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [CUSTOM],
+                                              "tool_choice": {"type": "custom", "name": "code"}})
+    chat = chat_request(forced, [{"role": "user", "content": "hi"}])
+    assert chat.guided_regex == "[0-9]+" and chat.tool_choice == "none"  # the whole answer is the input
+    only_hosted = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": HOSTED})
+    assert chat_request(only_hosted, [{"role": "user", "content": "hi"}]).tools is None

@@ -1,0 +1,110 @@
+"""Round 2 of the Responses API, without a model: namespaced and custom tools' calls as items and events the
+official client parses (with the namespace apart from the name), their history rendered back under the names
+the model knows, and reasoning sealed for the client: opened on the next turn, under a rotated key too, and
+refused (a 400 naming `input`) once altered."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from openai.types.responses import ResponseCustomToolCall, ResponseFunctionToolCall, ResponseReasoningItem
+from openai.types.responses.response_stream_event import ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from frontend.generation.serving import TextDelta
+from frontend.openai.errors import OpenAIError
+from frontend.parsing.tool_parsers import ToolCallDelta
+from frontend.responses import events
+from frontend.responses.conversation import conversation_messages, stored_item
+from frontend.responses.output import OutputAssembler
+from frontend.responses.request import ResponsesRequest
+from frontend.responses.sealing import ReasoningSeal
+
+EVENT = TypeAdapter(ResponseStreamEvent)
+TOOLS = [{"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
+         {"type": "namespace", "name": "multi_agent_v1", "description": "agents",
+          "tools": [{"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}},
+                    {"type": "custom", "name": "note"}]},
+         {"type": "custom", "name": "code", "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]+"}},
+         {"type": "web_search"}]
+KEY_OLD, KEY_NEW = "o" * 40, "n" * 40
+
+
+def assembled(deltas: list[TextDelta], **request: Any) -> tuple[OutputAssembler, list[dict[str, Any]]]:
+    req = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": TOOLS, **request})
+    assembler = OutputAssembler()
+    assembler.configure(req.offered_tools, req.chosen_tool, None)
+    out = []
+    for delta in deltas:
+        out += assembler.feed(delta)
+    for number, event in enumerate(out):
+        EVENT.validate_python(events.numbered(event, number))  # every event parses as the client's
+    return assembler, out
+
+
+def test_a_namespaced_call_comes_back_with_its_namespace_and_a_custom_call_with_its_input() -> None:
+    assembler, out = assembled([
+        TextDelta("", tool_calls=(ToolCallDelta(0, "multi_agent_v1__spawn_agent", '{"task": '),)),
+        TextDelta("", tool_calls=(ToolCallDelta(0, None, '"x"}'),)),
+        TextDelta("", tool_calls=(ToolCallDelta(1, "multi_agent_v1__note", '{"input": "a\\nb"}'),)),
+        TextDelta("", finish_reason="tool_calls", tool_calls=(ToolCallDelta(2, "code", '{"input": "42"}'),))])
+    spawn = ResponseFunctionToolCall.model_validate(assembler.output[0])
+    assert (spawn.name, spawn.namespace, json.loads(spawn.arguments)) == ("spawn_agent", "multi_agent_v1",
+                                                                          {"task": "x"})
+    note, code = (ResponseCustomToolCall.model_validate(item) for item in assembler.output[1:])
+    assert (note.name, note.namespace, note.input) == ("note", "multi_agent_v1", "a\nb")
+    assert (code.name, code.namespace, code.input) == ("code", None, "42")
+    assert [e["input"] for e in out if e["type"] == "response.custom_tool_call_input.done"] == ["a\nb", "42"]
+
+
+def test_a_forced_custom_tool_takes_the_whole_answer_as_its_input() -> None:
+    assembler, out = assembled([TextDelta("12"), TextDelta("3", finish_reason="stop")],
+                               tool_choice={"type": "custom", "name": "code"})
+    [call] = assembler.output
+    assert ResponseCustomToolCall.model_validate(call).input == "123"
+    assert "".join(e["delta"] for e in out if e["type"] == "response.custom_tool_call_input.delta") == "123"
+
+
+def test_calls_sent_back_render_under_the_names_the_model_was_offered() -> None:
+    req = ResponsesRequest.model_validate({"model": "m", "tools": TOOLS, "input": [
+        {"role": "user", "content": "go"},
+        {"type": "function_call", "call_id": "c1", "name": "spawn_agent", "namespace": "multi_agent_v1",
+         "arguments": "{}"},
+        {"type": "custom_tool_call", "call_id": "c2", "name": "code", "input": "7"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {"type": "custom_tool_call_output", "call_id": "c2", "output": "done"}]})
+    items = [stored_item(item) for item in req.items]
+    assert items[1]["namespace"] == "multi_agent_v1" and items[2]["type"] == "custom_tool_call"
+    messages = conversation_messages([], items, None)
+    calls = messages[1]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["multi_agent_v1__spawn_agent", "code"]
+    assert calls[1]["function"]["arguments"] == {"input": "7"}  # the template gets the arguments as an object
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
+
+
+def test_sealed_reasoning_opens_under_a_rotated_key_and_never_once_altered() -> None:
+    old = ReasoningSeal([KEY_OLD])
+    blob = old.seal("the sky scatters blue")
+    assert "sky" not in blob
+    rotated = ReasoningSeal([KEY_NEW, KEY_OLD])  # the new key seals, the old one still opens
+    assert rotated.open(blob, "input.1") == "the sky scatters blue"
+    assert ReasoningSeal([KEY_NEW]).open(rotated.seal("x"), "input.0") == "x"
+    tampered = blob[:40] + ("A" if blob[40] != "A" else "B") + blob[41:]
+    for bad, seal in ((tampered, rotated), (blob, ReasoningSeal([KEY_NEW])), ("not a blob", rotated)):
+        with pytest.raises(OpenAIError) as refused:
+            seal.open(bad, "input.1")
+        assert refused.value.status == 400 and refused.value.param == "input"
+
+
+def test_a_finished_reasoning_item_carries_its_sealed_text() -> None:
+    seal = ReasoningSeal([KEY_NEW])
+    req = ResponsesRequest.model_validate({"model": "m", "input": "hi", "include": ["reasoning.encrypted_content"]})
+    assembler = OutputAssembler()
+    assembler.configure(req.offered_tools, req.chosen_tool, seal.seal)
+    out = assembler.feed(TextDelta("", reasoning="hmm")) + assembler.feed(TextDelta("ok", finish_reason="stop"))
+    added = next(e for e in out if e["type"] == "response.output_item.added")
+    assert "encrypted_content" not in added["item"]
+    item = ResponseReasoningItem.model_validate(assembler.output[0])
+    assert seal.open(item.encrypted_content, "input.0") == "hmm"
