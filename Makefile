@@ -28,7 +28,7 @@ NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-version
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)
 
-.PHONY: install engine serve rollout rollback test soak bench bench-pa bench-frontend bench-grpc-client bench-overhead clean lint
+.PHONY: install codex-cli engine serve rollout rollback test soak bench bench-pa bench-frontend bench-grpc-client bench-overhead clean lint
 
 # A venv with every role's pinned dependencies; rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -61,8 +61,18 @@ rollback: install
 	@test -n "$(NAME)" || { echo "usage: make rollback NAME=<model>" >&2; exit 2; }
 	$(PY) -m launcher rollback --name $(NAME) --work-dir $(BUILD)
 
-test: install
+test: install codex-cli
 	$(PY) -m pytest -q
+
+# The Codex CLI (tests/integration/test_codex_cli.py runs it against the stack): the pinned npm package, with the
+# linux-x64 binary it brings from the registry, in $(BUILD)/codex (git-ignored). Skipped where npm is missing.
+CODEX_VERSION := 0.171.0
+codex-cli: $(BUILD)/codex/.installed-$(CODEX_VERSION)
+$(BUILD)/codex/.installed-$(CODEX_VERSION):
+	@if command -v npm >/dev/null; then \
+		mkdir -p $(BUILD)/codex && npm install --prefix $(BUILD)/codex --no-audit --no-fund --silent \
+			@openai/codex@$(CODEX_VERSION) && touch $@; \
+	else echo "npm not found: tests/integration/test_codex_cli.py will be skipped" >&2; fi
 
 # 32 concurrent streams for 3 minutes (SOAK_SECONDS to change): zero errors, frontend RSS flat; prints figures.
 soak: install

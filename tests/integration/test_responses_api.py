@@ -184,8 +184,8 @@ def test_stored_response_round_trip_input_items_and_delete(stack: Stack, client:
 
 
 def test_bad_input_is_a_400_naming_the_field(stack: Stack, client: openai.OpenAI) -> None:
-    cases = [({"input": "x", "include": ["file_search_call.results"]}, "include"),
-             ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    cases = [({"input": "x", "include": ["no_such.value"]}, "include"),
+             ({"input": "x", "tools": [{"type": "no_such_tool"}]}, "tools.0.type"),
              ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
               "input.0.content.0"),
              ({"input": "x", "background": True, "store": False}, "background"),
