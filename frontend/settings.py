@@ -163,6 +163,15 @@ class Settings(BaseSettings):
             raise ValueError("API_KEYS must be a comma-separated string")  # the value itself is never echoed
         return HashedKeys.parse(value)
 
+    @field_validator("responses_reasoning_keys")
+    @classmethod
+    def _long_reasoning_keys(cls, value: SecretStr | None) -> SecretStr | None:
+        """Each key at least 32 characters (the message never echoes one)."""
+        keys = [key.strip() for key in value.get_secret_value().split(",") if key.strip()] if value else []
+        if value is not None and (not keys or any(len(key) < 32 for key in keys)):
+            raise ValueError("RESPONSES_REASONING_KEYS: every key must be at least 32 characters")
+        return value
+
     @field_validator("tool_call_parser")
     @classmethod
     def _known_tool_call_parser(cls, value: str | None) -> str | None:

@@ -11,6 +11,8 @@ token-identical to the chat one and the engine's prefix cache finds the previous
 - `function_call_output` -> a `tool` message answering its `call_id`;
 - `custom_tool_call` / `_output` -> the same, the call's input as the one argument of the function the
   model was offered, a namespaced call under its `<namespace>__<name>` (frontend/responses/tools.py);
+- `local_shell_call` / `_output` -> a call of the `local_shell` function with the action's fields, and its
+  output (whose `id` is the call's);
 - `reasoning` -> the `reasoning_content` of the assistant message that follows it (templates that render
   reasoning in history, Qwen3's for one, read it there; the others ignore it).
 `instructions` are the first, system, message: this request's only, never a previous response's (as OpenAI
@@ -25,12 +27,15 @@ from typing import Any, Awaitable, Callable, TypeVar
 from frontend.openai.errors import OpenAIError, invalid_request
 from frontend.openai.schemas import ChatMessage, FunctionCallIn, ToolCallIn
 from frontend.responses.objects import (custom_tool_call_item, function_call_item, function_call_output_item,
-                                        message_item, new_id, output_text_part, reasoning_item)
-from frontend.responses.request import (CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem, MessageItem,
-                                        ReasoningItem, TextPart)
-from frontend.responses.tools import custom_arguments, model_name
+                                        local_shell_call_item, local_shell_call_output_item, message_item, new_id,
+                                        output_text_part, reasoning_item)
+from frontend.responses.request import (LOCAL_SHELL, CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem,
+                                        LocalShellCallItem, LocalShellCallOutputItem, MessageItem, ReasoningItem,
+                                        TextPart)
+from frontend.responses.tools import custom_arguments, model_name, shell_arguments
 
-Item = MessageItem | FunctionCallItem | CustomToolCallItem | FunctionCallOutputItem | ReasoningItem
+Item = (MessageItem | FunctionCallItem | CustomToolCallItem | FunctionCallOutputItem | LocalShellCallItem
+        | LocalShellCallOutputItem | ReasoningItem)
 T = TypeVar("T")
 
 
@@ -49,6 +54,10 @@ def stored_item(item: Item) -> dict[str, Any]:
     if isinstance(item, CustomToolCallItem):
         return custom_tool_call_item(item.id or new_id("ctc"), item.call_id, item.name, item.input,
                                      namespace=item.namespace)
+    if isinstance(item, LocalShellCallItem):
+        return local_shell_call_item(item.id or new_id("lsh"), item.call_id, item.action.model_dump())
+    if isinstance(item, LocalShellCallOutputItem):
+        return local_shell_call_output_item(item.id, item.output)
     if isinstance(item, FunctionCallOutputItem):
         return function_call_output_item(item.id or new_id("fco"), item.call_id, item.text, item.type)
     return reasoning_item(item.id or new_id("rs"), item.text,
@@ -83,21 +92,24 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None,
         if kind == "reasoning":
             pending_reasoning += _text(item.get("content") or [])
             continue
-        if kind in ("function_call", "custom_tool_call"):
+        if kind in ("function_call", "custom_tool_call", "local_shell_call"):
             if kind == "function_call":
                 arguments = item["arguments"]
                 _arguments_object(arguments, f"{param}.arguments")
-            else:  # offered to the model as a function of one string argument (frontend/responses/tools.py)
+            elif kind == "custom_tool_call":  # offered as a function of one string argument (responses/tools.py)
                 arguments = custom_arguments(item["input"])
-            call = ToolCallIn(id=item["call_id"], function=FunctionCallIn(
-                name=model_name(item["name"], item.get("namespace")), arguments=arguments))
+            else:
+                arguments = shell_arguments(item["action"])
+            name = LOCAL_SHELL if kind == "local_shell_call" else model_name(item["name"], item.get("namespace"))
+            call = ToolCallIn(id=item["call_id"], function=FunctionCallIn(name=name, arguments=arguments))
             if extends_turn:
                 last = messages[-1]
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            messages.append(ChatMessage(role="tool", content=item["output"], tool_call_id=item["call_id"]))
+        elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
+            call_id = item["id"] if kind == "local_shell_call_output" else item["call_id"]
+            messages.append(ChatMessage(role="tool", content=item["output"], tool_call_id=call_id))
         else:
             messages.append(ChatMessage(role=item["role"], content=_text(item["content"])))
         extends_turn = messages[-1].role == "assistant"

@@ -54,6 +54,19 @@ def custom_tool_call_item(item_id: str, call_id: str, name: str, text: str, stat
     return item
 
 
+def local_shell_call_item(item_id: str, call_id: str, action: dict[str, Any],
+                          status: str = "completed") -> dict[str, Any]:
+    """A `local_shell` call: the command the client is asked to run (OpenAI's `exec` action)."""
+    return {"id": item_id, "type": "local_shell_call", "call_id": call_id, "status": status,
+            "action": {"type": "exec", "command": [], "env": {}, "timeout_ms": None, "user": None,
+                       "working_directory": None, **action}}
+
+
+def local_shell_call_output_item(call_id: str, output: str) -> dict[str, Any]:
+    """What a `local_shell` call printed; its `id` is the call's `call_id`, as OpenAI has it."""
+    return {"id": call_id, "type": "local_shell_call_output", "output": output, "status": "completed"}
+
+
 def function_call_output_item(item_id: str, call_id: str, output: str,
                               kind: str = "function_call_output") -> dict[str, Any]:
     """A call's output sent back (`function_call_output`, or `custom_tool_call_output`)."""

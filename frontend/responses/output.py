@@ -20,10 +20,10 @@ from typing import Any, Callable, Protocol
 from frontend.generation.serving import TextDelta, TokenInfo
 from frontend.responses import events
 from frontend.responses.events import Event
-from frontend.responses.objects import (custom_tool_call_item, function_call_item, message_item, new_id,
-                                        output_text_part, reasoning_item)
+from frontend.responses.objects import (custom_tool_call_item, function_call_item, local_shell_call_item,
+                                        message_item, new_id, output_text_part, reasoning_item)
 from frontend.responses.request import OfferedTool
-from frontend.responses.tools import custom_input
+from frontend.responses.tools import custom_input, shell_action
 
 
 class TokenStrings(Protocol):
@@ -99,7 +99,7 @@ class OutputAssembler:
             out.append(events.output_text_delta(item.item_id, item.output_index, 0, delta.text, logprobs))
         for call in delta.tool_calls:
             open_item = self._open
-            if (open_item is None or open_item.kind not in ("function_call", "custom_tool_call")
+            if (open_item is None or open_item.kind not in ("function_call", "custom_tool_call", "local_shell_call")
                     or open_item.from_text or open_item.call_index != call.index):
                 item = self._start(out, "function_call", call.name or "", call.index)
             else:
@@ -152,9 +152,10 @@ class OutputAssembler:
             name, namespace, from_text = self.freeform.name, self.freeform.namespace, True
         elif kind == "function_call" and name in self.tools:  # the name the model knows it by
             tool = self.tools[name]
-            kind = "custom_tool_call" if tool.kind == "custom" else kind
+            kind = {"custom": "custom_tool_call", "local_shell": "local_shell_call"}.get(tool.kind, kind)
             name, namespace = tool.name, tool.namespace
-        prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc", "custom_tool_call": "ctc"}[kind]
+        prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc", "custom_tool_call": "ctc",
+                  "local_shell_call": "lsh"}[kind]
         item = _OpenItem(kind, len(self.output), new_id(prefix), name=name, call_index=call_index,
                          call_id=new_id("call") if kind.endswith("call") else "", namespace=namespace,
                          from_text=from_text)
@@ -179,6 +180,8 @@ class OutputAssembler:
             out.append(events.reasoning_text_done(item.item_id, item.output_index, 0, item.text))
             out.append(events.content_part_done(item.item_id, item.output_index, 0,
                                                 {"type": "reasoning_text", "text": item.text}))
+        elif item.kind == "local_shell_call":
+            pass  # OpenAI streams a shell call as its items alone (added, then done with its action)
         elif item.kind == "custom_tool_call":
             if not item.from_text:
                 item.text = custom_input(item.text)
@@ -204,6 +207,8 @@ class OutputAssembler:
             if self.seal is not None and not added and status != "in_progress":
                 sealed = self.seal(item.text)
             return reasoning_item(item.item_id, "" if added else item.text, status=status, encrypted_content=sealed)
+        if item.kind == "local_shell_call":
+            return local_shell_call_item(item.item_id, item.call_id, {} if added else shell_action(item.text), status)
         if item.kind == "custom_tool_call":
             return custom_tool_call_item(item.item_id, item.call_id, item.name, "" if added else item.text, status,
                                          item.namespace)

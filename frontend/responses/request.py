@@ -38,7 +38,7 @@ SUPPORTED_INCLUDES = (
     ENCRYPTED_REASONING_INCLUDE, LOGPROBS_INCLUDE,
 )
 ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
-              "reasoning")
+              "local_shell_call", "local_shell_call_output", "reasoning")
 # Tools OpenAI runs on its side (hosted): accepted, echoed, never offered to the model (this server runs none
 # of them); a tool_choice that requires one is a 400. `shell` and `apply_patch` are OpenAI's own client tools
 # whose calls only OpenAI's models write: not offered either.
@@ -47,8 +47,9 @@ HOSTED_TOOL_TYPES = (
     "code_interpreter", "image_generation", "computer", "computer_use", "computer_use_preview", "mcp",
     "tool_search", "programmatic_tool_calling", "shell", "apply_patch",
 )
-OFFERED_TOOL_TYPES = ("function", "custom", "namespace")
-CHOICE_TYPES = ("allowed_tools", "local_shell")  # other tool_choice shapes OpenAI has, refused here
+OFFERED_TOOL_TYPES = ("function", "custom", "namespace", "local_shell")
+CHOICE_TYPES = ("allowed_tools",)  # other tool_choice shapes OpenAI has, refused here
+LOCAL_SHELL = "local_shell"  # OpenAI's client-run shell: offered as a function of this name
 NAMESPACE_SEPARATOR = "__"  # a namespaced function as the model sees it: <namespace>__<name>
 TEXT_PART_TYPES = ("input_text", "output_text")
 
@@ -97,6 +98,32 @@ class CustomToolCallItem(RequestModel):
     input: ClientStr
 
 
+class LocalShellAction(RequestModel):
+    type: Literal["exec"] = "exec"
+    command: Annotated[list[ClientStr], Field(min_length=1, max_length=MAX_CONTENT_PARTS)]
+    env: dict[ClientStr, ClientStr] = {}
+    timeout_ms: int | None = Field(None, ge=0, le=INT32_MAX)
+    user: ClientStr | None = None
+    working_directory: ClientStr | None = None
+
+
+class LocalShellCallItem(RequestModel):
+    """A `local_shell` call the model made earlier (the client ran it)."""
+
+    type: Literal["local_shell_call"]
+    id: ItemId | None = None
+    call_id: ItemId
+    action: LocalShellAction
+
+
+class LocalShellCallOutputItem(RequestModel):
+    """What a `local_shell` call printed; its `id` is the call's `call_id`, as OpenAI has it."""
+
+    type: Literal["local_shell_call_output"]
+    id: ItemId
+    output: ClientStr
+
+
 class FunctionCallOutputItem(RequestModel):
     type: Literal["function_call_output", "custom_tool_call_output"]
     id: ItemId | None = None
@@ -129,8 +156,8 @@ class ReasoningItem(RequestModel):
         return "".join(part.text for part in self.content or [])
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | CustomToolCallItem | FunctionCallOutputItem | ReasoningItem,
-                      Field(discriminator="type")]
+InputItem = Annotated[MessageItem | FunctionCallItem | CustomToolCallItem | FunctionCallOutputItem | LocalShellCallItem
+                      | LocalShellCallOutputItem | ReasoningItem, Field(discriminator="type")]
 
 
 class FunctionTool(RequestModel):
@@ -198,7 +225,27 @@ class HostedTool(RequestModel):
         return self.model_dump()
 
 
-Tool = FunctionTool | CustomTool | NamespaceTool | HostedTool
+class LocalShellTool(RequestModel):
+    """OpenAI's `local_shell`: the model asks the client to run a command (a `local_shell_call` item)."""
+
+    type: Literal["local_shell"]
+
+    def echo(self) -> dict[str, Any]:
+        return {"type": "local_shell"}
+
+    @property
+    def function(self) -> FunctionTool:
+        """The function the model is offered for it (the template carries it as any other)."""
+        return FunctionTool(type="function", name=LOCAL_SHELL, description="Run a command on the user's machine",
+                            parameters={"type": "object", "properties": {
+                                "command": {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                                            "description": "the program and its arguments"},
+                                "working_directory": {"type": "string"},
+                                "timeout_ms": {"type": "integer", "minimum": 0}},
+                                "required": ["command"], "additionalProperties": False})
+
+
+Tool = FunctionTool | CustomTool | NamespaceTool | LocalShellTool | HostedTool
 
 
 @dataclass(frozen=True)
@@ -208,13 +255,13 @@ class OfferedTool:
     model_name: str  # the function name in the prompt: the tool's, or `<namespace>__<name>`
     name: str
     namespace: str | None
-    kind: str  # "function" or "custom"
+    kind: str  # "function", "custom" or "local_shell"
     tool: FunctionTool | CustomTool
 
 
 class FunctionToolChoice(RequestModel):
-    type: Literal["function", "custom"]
-    name: ClientStr
+    type: Literal["function", "custom", "local_shell"]
+    name: ClientStr = LOCAL_SHELL  # {"type": "local_shell"} names no tool: there is one
     namespace: ClientStr | None = None
 
 
@@ -317,8 +364,8 @@ class ResponsesRequest(ClientRequest):
     @field_validator("tools", mode="before")
     @classmethod
     def _known_tool_types(cls, value: Any) -> Any:
-        """Each tool parsed as its type's model (so an error names the tool); unknown types (`local_shell`
-        among them: see the README) are a 400 naming the tool."""
+        """Each tool parsed as its type's model (so an error names the tool); unknown types are a 400 naming
+        the tool."""
         if not isinstance(value, list):
             return value
         tools: list[Any] = []
@@ -328,9 +375,10 @@ class ResponsesRequest(ClientRequest):
                 raise invalid_request(f"tools.{i}: a tool needs a type", f"tools.{i}.type")
             if kind not in OFFERED_TOOL_TYPES and kind not in HOSTED_TOOL_TYPES:
                 raise invalid_request(f"tools.{i}: tools of type {kind[:40]!r} are not supported (supported: "
-                                      f"function, custom, namespace; accepted and not run: "
+                                      f"function, custom, namespace, local_shell; accepted and not run: "
                                       f"{', '.join(HOSTED_TOOL_TYPES)})", f"tools.{i}.type")
-            model = {"function": FunctionTool, "custom": CustomTool, "namespace": NamespaceTool}.get(kind, HostedTool)
+            model = {"function": FunctionTool, "custom": CustomTool, "namespace": NamespaceTool,
+                     "local_shell": LocalShellTool}.get(kind, HostedTool)
             try:
                 tools.append(model.model_validate(tool))
             except ValidationError as exc:
@@ -343,7 +391,7 @@ class ResponsesRequest(ClientRequest):
     @classmethod
     def _choice_shape(cls, value: Any) -> Any:
         """A hosted tool's type (`{"type": "web_search"}`) or an MCP server can be named, and never run here."""
-        if isinstance(value, dict) and value.get("type") not in ("function", "custom"):
+        if isinstance(value, dict) and value.get("type") not in ("function", "custom", "local_shell"):
             kind = value.get("type")
             if isinstance(kind, str) and (kind in HOSTED_TOOL_TYPES or kind in CHOICE_TYPES):
                 raise invalid_request(f"tool_choice: {kind[:40]!r} is a tool this server does not run (it takes the "
@@ -398,7 +446,7 @@ class ResponsesRequest(ClientRequest):
 
     @property
     def items(self) -> list[MessageItem | FunctionCallItem | CustomToolCallItem | FunctionCallOutputItem
-                            | ReasoningItem]:
+                            | LocalShellCallItem | LocalShellCallOutputItem | ReasoningItem]:
         """`input` as items: a string is one user message."""
         if self.input is None:
             return []
@@ -420,6 +468,8 @@ class ResponsesRequest(ClientRequest):
                                         member.type, member) for member in tool.tools]
             elif isinstance(tool, (FunctionTool, CustomTool)):
                 offered.append(OfferedTool(tool.name, tool.name, None, tool.type, tool))
+            elif isinstance(tool, LocalShellTool):
+                offered.append(OfferedTool(LOCAL_SHELL, LOCAL_SHELL, None, "local_shell", tool.function))
         return offered
 
     @property

@@ -7,6 +7,8 @@
   `custom_tool_call` whose `input` is that string. Forced (`tool_choice: {"type": "custom", ...}`), the whole
   answer is the input, constrained by the tool's grammar where it is a regex (the engines' guided decoding
   takes regexes and EBNF, not Lark: a Lark grammar leaves the input unconstrained);
+- `local_shell`: offered as a function `local_shell` (command, working_directory, timeout_ms); a call becomes a
+  `local_shell_call` with OpenAI's `exec` action, which the client runs;
 - hosted tools (`web_search`, `file_search`, ...): never offered (this server runs none of them).
 """
 
@@ -60,6 +62,32 @@ def model_name(name: str, namespace: str | None) -> str:
 def custom_arguments(text: str) -> str:
     """A custom tool's input as the arguments of the function the model was offered."""
     return json.dumps({CUSTOM_INPUT: text}, ensure_ascii=False)
+
+
+def shell_action(arguments: str) -> dict[str, Any]:
+    """A `local_shell` call's `exec` action from the arguments the model wrote (what it got wrong, left out)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    value = value if isinstance(value, dict) else {}
+    action: dict[str, Any] = {}
+    command = value.get("command")
+    if isinstance(command, str):
+        command = [command]
+    if isinstance(command, list):
+        action["command"] = [str(part) for part in command]
+    if isinstance(value.get("working_directory"), str):
+        action["working_directory"] = value["working_directory"]
+    if isinstance(value.get("timeout_ms"), int):
+        action["timeout_ms"] = value["timeout_ms"]
+    return action
+
+
+def shell_arguments(action: dict[str, Any]) -> str:
+    """A `local_shell` call sent back, as the arguments of the function the model was offered."""
+    return json.dumps({key: action[key] for key in ("command", "working_directory", "timeout_ms")
+                       if action.get(key) is not None}, ensure_ascii=False)
 
 
 def custom_input(arguments: str) -> str:

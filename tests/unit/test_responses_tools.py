@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from openai.types.responses import ResponseCustomToolCall, ResponseFunctionToolCall, ResponseReasoningItem
+from openai.types.responses.response_output_item import LocalShellCall
 from openai.types.responses.response_stream_event import ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -108,3 +109,25 @@ def test_a_finished_reasoning_item_carries_its_sealed_text() -> None:
     assert "encrypted_content" not in added["item"]
     item = ResponseReasoningItem.model_validate(assembler.output[0])
     assert seal.open(item.encrypted_content, "input.0") == "hmm"
+
+
+def test_a_local_shell_call_is_an_exec_action_the_client_runs_and_sends_back() -> None:
+    shell = [{"type": "local_shell"}]
+    req = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": shell,
+                                           "tool_choice": {"type": "local_shell"}})
+    assert req.chosen_tool is not None and req.chosen_tool.model_name == "local_shell"
+    assembler = OutputAssembler()
+    assembler.configure(req.offered_tools, req.chosen_tool, None)
+    out = assembler.feed(TextDelta("", finish_reason="tool_calls", tool_calls=(
+        ToolCallDelta(0, "local_shell", '{"command": ["ls", "-l"], "working_directory": "/tmp"}'),)))
+    for number, event in enumerate(out):
+        EVENT.validate_python(events.numbered(event, number))
+    call = LocalShellCall.model_validate(assembler.output[0])
+    assert call.action.command == ["ls", "-l"] and call.action.working_directory == "/tmp"
+    back = ResponsesRequest.model_validate({"model": "m", "tools": shell, "input": [
+        {"role": "user", "content": "list"}, assembler.output[0],
+        {"type": "local_shell_call_output", "id": call.call_id, "output": "a b"}]})
+    messages = conversation_messages([], [stored_item(item) for item in back.items], None)
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "local_shell", "arguments": {
+        "command": ["ls", "-l"], "working_directory": "/tmp"}}
+    assert messages[2] == {"role": "tool", "content": "a b", "tool_call_id": call.call_id}
