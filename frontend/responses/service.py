@@ -32,8 +32,8 @@ from frontend.responses.objects import TERMINAL_STATUSES, deleted_object, item_l
 from frontend.responses.output import TokenStrings
 from frontend.responses.request import ResponsesRequest
 from frontend.responses.run import Prepared, ResponseRun
-from frontend.responses.tools import chat_tools
 from frontend.responses.store import ChainTooLong, ResponseStore, ResponseTooLarge
+from frontend.responses.tools import chat_tools
 from frontend.settings import Settings
 
 log = logging.getLogger("frontend")
@@ -45,7 +45,7 @@ MAX_CONVERSATION_ITEMS = 4096  # a previous_response_id chain's items and this r
 # The chat pipeline names chat fields in its errors; a Responses client sent these instead.
 RESPONSES_PARAMS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens",
                     "max_completion_tokens": "max_output_tokens", "logprobs": "include",
-                    "guided_regex": "tools"}
+                    "guided_regex": "tools", "guided_grammar": "tools"}
 
 
 @contextlib.contextmanager

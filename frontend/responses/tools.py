@@ -5,8 +5,8 @@
   namespaced function's call, `name` and `namespace` apart, so that the client routes them back;
 - `custom` tools (freeform input): offered as a function of one string argument, `input`; a call becomes a
   `custom_tool_call` whose `input` is that string. Forced (`tool_choice: {"type": "custom", ...}`), the whole
-  answer is the input, constrained by the tool's grammar where it is a regex (the engines' guided decoding
-  takes regexes and EBNF, not Lark: a Lark grammar leaves the input unconstrained);
+  answer is the input, constrained by the tool's grammar: a regex as it is, a Lark grammar turned into the
+  EBNF the engines' guided decoding takes (xgrammar reads Lark);
 - `local_shell`: offered as a function `local_shell` (command, working_directory, timeout_ms); a call becomes a
   `local_shell_call` with OpenAI's `exec` action, which the client runs;
 - hosted tools (`web_search`, `file_search`, ...): never offered (this server runs none of them).
@@ -17,6 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import xgrammar
+
+from frontend.openai.errors import invalid_request
 from frontend.openai.schemas import FunctionDefinition, NamedFunction, NamedToolChoice, ToolDefinition
 from frontend.responses.request import NAMESPACE_SEPARATOR, CustomTool, OfferedTool, ResponsesRequest
 
@@ -49,9 +52,21 @@ def chat_tools(req: ResponsesRequest) -> dict[str, Any]:
         tool_format = chosen.tool.format
         if tool_format is not None and tool_format.type == "grammar" and tool_format.syntax == "regex":
             fields["guided_regex"] = tool_format.definition
+        elif tool_format is not None and tool_format.type == "grammar":
+            fields["guided_grammar"] = lark_to_ebnf(tool_format.definition or "")
     elif chosen is not None:
         fields["tool_choice"] = NamedToolChoice(type="function", function=NamedFunction(name=chosen.model_name))
     return fields
+
+
+def lark_to_ebnf(definition: str) -> str:
+    """A custom tool's Lark grammar as EBNF (its size bounded by the request's own); a 400 naming `tools` if
+    it is no Lark grammar."""
+    try:
+        return str(xgrammar.Grammar.from_lark(definition))
+    except Exception as exc:  # xgrammar raises RuntimeError (and others) for what it cannot read
+        raise invalid_request(f"tools: the custom tool's lark grammar does not parse: {str(exc)[:200]}",
+                              "tools") from None
 
 
 def model_name(name: str, namespace: str | None) -> str:

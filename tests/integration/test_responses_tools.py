@@ -86,6 +86,11 @@ def test_a_forced_custom_tool_follows_its_regex(stack: Stack, client: openai.Ope
     assert isinstance(custom, ResponseCustomToolCall) and custom.name == "set_code"
     assert re.fullmatch(CODE_REGEX, custom.input), custom.input
     assert call.status == "completed"
+    lark = {"type": "custom", "name": "say", "format": {"type": "grammar", "syntax": "lark",
+                                                         "definition": 'start: WORD (" " WORD)?\nWORD: /[a-z]{1,8}/'}}
+    said = client.responses.create(model=stack.model, input="Say a word", temperature=1.0, max_output_tokens=32,
+                                   tools=[lark], tool_choice={"type": "custom", "name": "say"})
+    assert said.status == "completed" and re.fullmatch("[a-z]{1,8}( [a-z]{1,8})?", said.output[0].input)
 
 
 def test_tool_choice_naming_a_hosted_tool_is_a_400(stack: Stack, client: openai.OpenAI) -> None:

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openai.types.responses import Response
 
-from frontend.openai.errors import install_error_handlers
+from frontend.openai.errors import OpenAIError, install_error_handlers
 from frontend.responses.objects import request_echo, response_object
 from frontend.responses.request import MAX_INPUT_ITEMS, ResponsesRequest
 from frontend.responses.service import chat_request
@@ -137,3 +137,18 @@ def test_the_model_is_offered_functions_only_and_the_echo_keeps_every_tool() -> 
     assert chat.guided_regex == "[0-9]+" and chat.tool_choice == "none"  # the whole answer is the input
     only_hosted = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": HOSTED})
     assert chat_request(only_hosted, [{"role": "user", "content": "hi"}]).tools is None
+
+
+def test_a_forced_custom_tool_with_a_lark_grammar_is_guided_by_its_ebnf() -> None:
+    lark = {"type": "custom", "name": "say", "format": {"type": "grammar", "syntax": "lark",
+                                                         "definition": 'start: WORD (" " WORD)*\nWORD: /[a-z]+/'}}
+    req = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [lark],
+                                           "tool_choice": {"type": "custom", "name": "say"}})
+    chat = chat_request(req, [{"role": "user", "content": "hi"}])
+    assert chat.guided_grammar.startswith("root ::=") and chat.tool_choice == "none"
+    broken = {**lark, "format": {**lark["format"], "definition": "start: ("}}
+    bad = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [broken],
+                                           "tool_choice": {"type": "custom", "name": "say"}})
+    with pytest.raises(OpenAIError) as refused:
+        chat_request(bad, [{"role": "user", "content": "hi"}])
+    assert refused.value.param == "tools"
