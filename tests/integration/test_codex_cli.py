@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
+import string
 import subprocess
 import sys
 import time
@@ -133,6 +135,29 @@ def test_codex_exec_runs_a_turn_and_resumes_it(stack: Stack, codex_binary: Path,
                 if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]
     assert messages == [stack.scripted.demo.text], printed  # the scripted answer, as Codex parsed it
 
+    hits_before = stack.engine_metric("prefix_cache_hits_tokens_total", LONG_MODEL)
     events, printed = codex_exec(codex_binary, env, workdir, "resume", "--last", *common, "Say it again.")
-    second = turn_usage(events, printed)
-    assert second["input_tokens"] > first["input_tokens"], (first, second)  # the first turn, sent back
+    # Codex reports the thread's usage so far: the resumed turn's own prompt is the difference, and it holds the
+    # whole first turn (store false: sent back as input), whose prompt the engine's prefix cache finds.
+    resumed = turn_usage(events, printed)["input_tokens"] - first["input_tokens"]
+    assert resumed > first["input_tokens"], (first, resumed)
+    assert stack.engine_metric("prefix_cache_hits_tokens_total", LONG_MODEL) - hits_before \
+        >= first["input_tokens"] // 2
+    messages = [e["item"]["text"] for e in events
+                if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]
+    assert messages == [stack.scripted.demo.text], printed
+
+
+def test_a_30k_token_prompt_is_served(long_url: str) -> None:
+    """What a coding agent's first request costs here: a 30k-token prompt (words no cache holds), one token out."""
+    rng = random.Random(30)
+    words = " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9)))
+                     for _ in range(6800))
+    started = time.monotonic()
+    response = httpx.post(f"{long_url}/responses", timeout=CODEX_TIMEOUT_S, json={
+        "model": LONG_SERVED_NAME, "input": words, "max_output_tokens": 1, "store": False})
+    elapsed = time.monotonic() - started
+    assert response.status_code == 200, response.text
+    tokens = response.json()["usage"]["input_tokens"]
+    assert 28_000 <= tokens < LONG_SEQ_LEN
+    print(f"{tokens}-token prompt: first token after {elapsed:.1f} s")
