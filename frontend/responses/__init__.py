@@ -2,6 +2,8 @@
 
 request.py      the request body (pydantic), bounded, every refusal naming its `param`
 conversation.py input items <-> stored items <-> chat messages (what the chat template renders)
+tools.py        function, namespace, custom and local_shell tools as the chat tools the model is offered
+sealing.py      reasoning sealed for the client to carry (include reasoning.encrypted_content), and opened
 output.py       a generation's deltas -> output items and the stream's events (one state machine)
 events.py       the stream's events and their SSE frames: small pure functions
 objects.py      the response object, usage, the list shape of input_items
