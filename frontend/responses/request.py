@@ -428,6 +428,9 @@ class ResponsesRequest(ClientRequest):
         if self.background and not self.store:
             raise invalid_request("background responses must be stored: background needs store true", "background")
         names = [tool.model_name for tool in self.offered_tools]
+        if any(len(name) > 64 for name in names):
+            raise invalid_request(f"a namespaced function's <namespace>{NAMESPACE_SEPARATOR}<name> may be at most 64 "
+                                  "characters (the model is offered it under that name)", "tools")
         if len(set(names)) != len(names):
             raise invalid_request("tool names must be unique (a namespace's functions count as "
                                   f"<namespace>{NAMESPACE_SEPARATOR}<name>)", "tools")

@@ -50,6 +50,7 @@ TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
     ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]}, "tools.0.tools.0"),
     ({"tools": [{"type": "custom", "name": "c", "format": {"type": "grammar", "syntax": "regex"}}]}, "tools"),
     ({"tools": [TOOL], "tool_choice": {"type": "custom", "name": "f"}}, "tool_choice"),
+    ({"tools": [{"type": "namespace", "name": "n" * 40, "tools": [{"type": "function", "name": "f" * 30}]}]}, "tools"),
     ({"tools": [TOOL, TOOL]}, "tools"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
