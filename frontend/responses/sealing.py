@@ -63,14 +63,18 @@ def _auto_key(settings: Settings) -> list[str]:
     url = make_url(settings.responses_db_url)
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
         path = Path(url.database).parent / AUTO_KEY_FILE
-        try:
+        if not path.exists():  # written whole, then linked into place: a worker never reads half a key
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass
-        else:
+            draft = path.with_name(f".{AUTO_KEY_FILE}.{os.getpid()}")
+            fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as file:
                 file.write(secrets.token_urlsafe(48) + "\n")
+            try:
+                os.link(draft, path)
+            except FileExistsError:  # another worker's key is the key
+                pass
+            finally:
+                draft.unlink()
         keys = _keys_of(path.read_text())
         if keys:
             return keys

@@ -131,3 +131,20 @@ def test_a_local_shell_call_is_an_exec_action_the_client_runs_and_sends_back() -
     assert messages[1]["tool_calls"][0]["function"] == {"name": "local_shell", "arguments": {
         "command": ["ls", "-l"], "working_directory": "/tmp"}}
     assert messages[2] == {"role": "tool", "content": "a b", "tool_call_id": call.call_id}
+
+
+def test_without_keys_the_workers_of_a_sqlite_database_share_one_made_once(tmp_path, monkeypatch) -> None:
+    from frontend.responses.sealing import AUTO_KEY_FILE, reasoning_seal
+    from frontend.settings import Settings
+
+    for name in ("RESPONSES_REASONING_KEYS", "RESPONSES_REASONING_KEYS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    settings = Settings(responses_db_url=f"sqlite:///{tmp_path / 'db' / 'responses.sqlite3'}")
+    blob = reasoning_seal(settings).seal("shared")
+    assert reasoning_seal(settings).open(blob, "input.0") == "shared"  # another worker, the same key file
+    key_file = tmp_path / "db" / AUTO_KEY_FILE
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600" and list((tmp_path / "db").iterdir()) == [key_file]
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"# rotated\n{KEY_NEW}\n{key_file.read_text().strip()}\n")
+    rotated = Settings(responses_db_url=settings.responses_db_url, responses_reasoning_keys_file=keys_file)
+    assert reasoning_seal(rotated).open(blob, "input.0") == "shared"
