@@ -260,8 +260,11 @@ class OfferedTool:
 
 
 class FunctionToolChoice(RequestModel):
-    type: Literal["function", "custom", "local_shell"]
-    name: ClientStr = LOCAL_SHELL  # {"type": "local_shell"} names no tool: there is one
+    """A named tool forced: a function (`local_shell` too: OpenAI has no tool_choice of its own for it) or a custom
+    tool, in `namespace` if given."""
+
+    type: Literal["function", "custom"]
+    name: ClientStr
     namespace: ClientStr | None = None
 
 
@@ -391,7 +394,7 @@ class ResponsesRequest(ClientRequest):
     @classmethod
     def _choice_shape(cls, value: Any) -> Any:
         """A hosted tool's type (`{"type": "web_search"}`) or an MCP server can be named, and never run here."""
-        if isinstance(value, dict) and value.get("type") not in ("function", "custom", "local_shell"):
+        if isinstance(value, dict) and value.get("type") not in ("function", "custom"):
             kind = value.get("type")
             if isinstance(kind, str) and (kind in HOSTED_TOOL_TYPES or kind in CHOICE_TYPES):
                 raise invalid_request(f"tool_choice: {kind[:40]!r} is a tool this server does not run (it takes the "
@@ -482,7 +485,8 @@ class ResponsesRequest(ClientRequest):
         choice = self.tool_choice
         if not isinstance(choice, FunctionToolChoice):
             return None
-        matches = [tool for tool in self.offered_tools if tool.name == choice.name and tool.kind == choice.type
+        kinds = ("function", "local_shell") if choice.type == "function" else (choice.type,)
+        matches = [tool for tool in self.offered_tools if tool.name == choice.name and tool.kind in kinds
                    and (choice.namespace is None or tool.namespace == choice.namespace)]
         if choice.namespace is None and len(matches) > 1:
             matches = [tool for tool in matches if tool.namespace is None] or matches

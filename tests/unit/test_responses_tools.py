@@ -9,7 +9,8 @@ import json
 from typing import Any
 
 import pytest
-from openai.types.responses import ResponseCustomToolCall, ResponseFunctionToolCall, ResponseReasoningItem
+from openai.types.responses import (Response, ResponseCustomToolCall, ResponseFunctionToolCall,
+                                    ResponseReasoningItem)
 from openai.types.responses.response_output_item import LocalShellCall
 from openai.types.responses.response_stream_event import ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -19,6 +20,7 @@ from frontend.openai.errors import OpenAIError
 from frontend.parsing.tool_parsers import ToolCallDelta
 from frontend.responses import events
 from frontend.responses.conversation import conversation_messages, stored_item
+from frontend.responses.objects import request_echo, response_object
 from frontend.responses.output import OutputAssembler
 from frontend.responses.request import ResponsesRequest
 from frontend.responses.sealing import ReasoningSeal
@@ -114,8 +116,11 @@ def test_a_finished_reasoning_item_carries_its_sealed_text() -> None:
 def test_a_local_shell_call_is_an_exec_action_the_client_runs_and_sends_back() -> None:
     shell = [{"type": "local_shell"}]
     req = ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": shell,
-                                           "tool_choice": {"type": "local_shell"}})
+                                           "tool_choice": {"type": "function", "name": "local_shell"}})
     assert req.chosen_tool is not None and req.chosen_tool.model_name == "local_shell"
+    echo = Response.model_validate(response_object(request_echo(req), response_id="resp_1", created_at=1, model="m",
+                                                   status="completed", output=[]))
+    assert echo.tools[0].type == "local_shell" and echo.tool_choice.name == "local_shell"
     assembler = OutputAssembler()
     assembler.configure(req.offered_tools, req.chosen_tool, None)
     out = assembler.feed(TextDelta("", finish_reason="tool_calls", tool_calls=(
