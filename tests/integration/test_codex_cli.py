@@ -119,6 +119,11 @@ def codex_exec(binary: Path, env: dict[str, str], workdir: Path, *args: str) -> 
 def turn_usage(events: list[dict[str, Any]], printed: str) -> dict[str, Any]:
     completed = [event for event in events if event.get("type") == "turn.completed"]
     assert len(completed) == 1 and not [e for e in events if e.get("type") in ("turn.failed", "error")], printed
+    # Codex's one advisory (an `error` item, not an error): it knows no metadata of a model it has never heard of.
+    advisories = [e["item"]["message"] for e in events if e.get("type") == "item.completed"
+                  and e["item"].get("type") == "error"]
+    assert all(message.startswith(f"Model metadata for `{LONG_SERVED_NAME}` not found") for message in advisories), \
+        printed
     return completed[0]["usage"]
 
 
