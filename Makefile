@@ -65,14 +65,13 @@ test: install codex-cli
 	$(PY) -m pytest -q
 
 # The Codex CLI (tests/integration/test_codex_cli.py runs it against the stack): the pinned npm package, with the
-# linux-x64 binary it brings from the registry, in $(BUILD)/codex (git-ignored). Skipped where npm is missing.
+# linux-x64 binary it brings from the registry, in $(BUILD)/codex (git-ignored). Needs Node.js with npm.
 CODEX_VERSION := 0.171.0
 codex-cli: $(BUILD)/codex/.installed-$(CODEX_VERSION)
 $(BUILD)/codex/.installed-$(CODEX_VERSION):
-	@if command -v npm >/dev/null; then \
-		mkdir -p $(BUILD)/codex && npm install --prefix $(BUILD)/codex --no-audit --no-fund --silent \
-			@openai/codex@$(CODEX_VERSION) && touch $@; \
-	else echo "npm not found: tests/integration/test_codex_cli.py will be skipped" >&2; fi
+	@command -v npm >/dev/null || { echo "npm not found: install Node.js with npm (the Codex CLI test needs it)" >&2; exit 1; }
+	mkdir -p $(BUILD)/codex && npm install --prefix $(BUILD)/codex --no-audit --no-fund --silent \
+		@openai/codex@$(CODEX_VERSION) && touch $@
 
 # 32 concurrent streams for 3 minutes (SOAK_SECONDS to change): zero errors, frontend RSS flat; prints figures.
 soak: install
