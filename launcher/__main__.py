@@ -410,7 +410,8 @@ class TritonProcess:
     def _new_health(self) -> EngineHealth:
         """What this run of Triton serves starts empty: the models it loads join as they become ready."""
         cfg = self._cfg
-        return EngineHealth(f"127.0.0.1:{cfg.grpc_port}", self._control_key, self._engine_models)
+        return EngineHealth(f"127.0.0.1:{cfg.grpc_port}", self._control_key, self._engine_models,
+                            repository=cfg.model_repository)
 
     def _engine_models(self) -> list[str]:
         """The models with the TensorRT-LLM interface: the named models on disk now (one built while serving

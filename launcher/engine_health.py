@@ -13,6 +13,11 @@ So `check()` reads Triton's repository index (which models are loaded) and sends
 probe: a TensorRT-LLM `stop` request for an id nobody uses, which both engines answer at once without
 running anything; only a dead stub answers "not healthy". A probe that gets no answer in time is not taken
 as a death (a busy engine may be slow to take it); a missing model and a dead stub are.
+
+The launcher is the one party that repairs (frontend workers only report): a named model whose live version
+(rollout.json) Triton has not ready, with nothing loading or unloading, is missing too, and `reload()` makes
+its files agree with rollout.json (model_store settle()) before it asks Triton to load it, so that an
+interrupted rollout's two-version policy is never loaded as it stands.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from build_engine import model_store
 from launcher.tritonserver import grpc_control_headers
 
 PROBE_TIMEOUT_S = 5.0
@@ -122,7 +129,8 @@ class EngineHealth:
     """
 
     def __init__(self, grpc_url: str, control_key: str, engine_models: Callable[[], Iterable[str]],
-                 probe: Callable[[str, str], str | None] = probe) -> None:
+                 probe: Callable[[str, str], str | None] = probe, repository: Path | None = None) -> None:
+        self._repository = repository  # where named models live (their rollout.json), if any
         self._grpc_url = grpc_url
         self._headers = grpc_control_headers(control_key)
         self._engine_models = engine_models
@@ -157,6 +165,10 @@ class EngineHealth:
         # built while serving has no state until a rollout loads it).
         self._seen |= ready | {name for name in self._engine_models() if states.get(name, {""}) - {""}}
         missing = sorted(self._seen - ready - in_transition)
+        for model, live in self._named_live_versions():
+            found = {e.get("version"): e.get("state") for e in index.get(model, [])}
+            if model in ready and model not in in_transition and found.get(live) != "READY":
+                missing.append(model)  # e.g. a rollout committed its version while Triton was down
         if missing:
             states = "; ".join(f"{name}: " + ", ".join(f"{e.get('state') or 'not loaded'} {e.get('reason', '')}".strip()
                                                       for e in index.get(name, [{}])) for name in missing)
@@ -167,13 +179,31 @@ class EngineHealth:
                 return Problem(f"the engine model {model!r} no longer serves: {dead}", definitive=True)
         return None
 
+    def _named_live_versions(self) -> list[tuple[str, str]]:
+        """Each named model and its live version as rollout.json records it (unreadable ones left out: Triton
+        reports their load failure)."""
+        found = []
+        for model in model_store.managed_models(self._repository) if self._repository is not None else []:
+            try:
+                found.append((model.name, str(model.live_version)))
+            except model_store.ModelStoreError:
+                continue
+        return found
+
     def reload(self, models: Iterable[str]) -> None:
         """Ask Triton to load `models` again (blocks for the load); engine models first, since composing
-        models such as the ensemble need them."""
+        models such as the ensemble need them. A named model's files are settled first (model_store
+        settle(): the policy and the `live` link back to rollout.json's version)."""
         engines = set(self._engine_models())
+        named = {m.name: m for m in model_store.managed_models(self._repository)} if self._repository else {}
         client = grpcclient.InferenceServerClient(self._grpc_url)
         try:
             for model in sorted(models, key=lambda name: (name not in engines, name)):
+                if model in named:
+                    repaired = named[model].settle()
+                    if repaired:
+                        print(f"launcher: model {model}: an interrupted rollout was undone ({repaired})",
+                              file=sys.stderr, flush=True)
                 client.load_model(model, headers=self._headers)
         finally:
             client.close()

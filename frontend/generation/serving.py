@@ -15,16 +15,12 @@ the non-streamed text by construction.
 from __future__ import annotations
 
 import secrets
-import sys
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable, NamedTuple, Protocol
 
 import anyio
-
-if sys.version_info < (3, 11):  # anyio depends on the backport there
-    from exceptiongroup import BaseExceptionGroup
 
 from frontend.generation.engine import EngineRequest, Guide, LLMEngine, SamplingOptions, TokenChunk
 from frontend.openai.errors import OpenAIError, engine_error, invalid_request

@@ -6,14 +6,18 @@ Two ways to serve (frontend/settings.py):
   described by that version's own files (build_engine/model_store.py). A rollout swaps a model's context
   for the new version's (frontend/models/rollout.py) while requests that picked the old one finish on it.
 
-Contexts load lazily and are retried on every request until they load, so the frontend can start before
-Triton and recover if Triton was down at start; settings given explicitly win over what Triton says.
+Contexts load lazily, one load at a time per model (its requests wait for that load; a failure is kept for
+LOAD_FAILURE_KEPT_S, so a burst of requests costs Triton one load, not one each), and are retried after that
+until they load: the frontend can start before Triton and recover if Triton was down at start. Settings given
+explicitly win over what Triton says. Nothing here reads the disk on the event loop (a thread does).
 
 Which named models are served is what Triton has loaded (its repository index), not what is on disk: a model
 built while serving joins when a rollout loads it, and one that failed to load is left out instead of making
 every listing fail. A model's context is replaced under one lock (`switch()`, the lazy load, `refresh()`), and
 `refresh()` re-routes a model whose version Triton no longer has ready (after a Triton restart, say) to the
-version rollout.json names, asking Triton to load it if it has not.
+version rollout.json names. A model whose live version Triton lacks is reported (503s, a log line), not
+repaired here: the launcher owns that repair (launcher/engine_health.py settles the files, then loads), so one
+party, not one per frontend worker, asks Triton to load it.
 """
 
 from __future__ import annotations
@@ -39,8 +43,11 @@ log = logging.getLogger("frontend")
 
 # Triton's repository index states (frontend/generation/triton_engine.py TritonEngine.model_index).
 READY, LOADING = "READY", "LOADING"
-REFRESH_AFTER_FAILURE_S = 1.0  # a request's 503 makes the next request re-read Triton's index, at most this often
-REPAIR_EVERY_S = 30.0  # how often the frontend asks Triton again to load a model's live version it lacks
+# A request's 503, or a model name not in the last index, makes a request re-read Triton's index, at most this
+# often: a client retrying a mistyped model id gets 404s from the last index, not a repository scan each.
+REFRESH_AFTER_FAILURE_S = 1.0
+LOAD_FAILURE_KEPT_S = 1.0  # a model's failed load answers the requests waiting on it (and later ones) this long
+REPORT_EVERY_S = 30.0  # how often a model whose live version Triton lacks is logged again
 
 
 class VersionEngine:
@@ -124,14 +131,14 @@ class ModelRegistry:
         self._contexts: dict[str | None, ModelContext] = {}
         self._served: list[str] | None = None  # named models served: what Triton's index said at the last
         # refresh() (loaded or loading), + rolled out since; None: not read yet
-        self._lock = asyncio.Lock()  # every change of _contexts
+        self._locks: dict[str | None, asyncio.Lock] = {}  # per model: every change of its context (_lock_for)
+        self._failed_loads: dict[str | None, tuple[float, OpenAIError]] = {}  # when, and why, a load last failed
         self._unloaded: dict[str, str] = {}  # named models Triton tried to load and does not have: their states
         self._refreshed_at = -REFRESH_AFTER_FAILURE_S
-        self._repaired_at: dict[str, float] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._reported_at: dict[str, float] = {}
         self._holds: dict[str, asyncio.Event] = {}  # models whose new requests wait for a version swap: held()
-        # Models whose versions are being switched: by a rollout (frontend/models/rollout.py uses this as its "one
-        # rollout per model" set) or by a repair here. Neither starts while the other runs.
+        # Models whose versions a rollout of this worker is switching (frontend/models/rollout.py: "one rollout per
+        # model"); refresh() leaves their contexts to it.
         self.rolling: set[str] = set()
 
     @property
@@ -139,7 +146,13 @@ class ModelRegistry:
         """Whether the models are a repository's named models (else: the one engine model)."""
         return self._repository is not None
 
+    def _lock_for(self, key: str | None) -> asyncio.Lock:
+        """The lock of one model's context: its lazy load, switch() and _drop() hold it, so no context is stored
+        over another; loads of different models do not wait for each other."""
+        return self._locks.setdefault(key, asyncio.Lock())
+
     def store(self) -> list[model_store.ManagedModel]:
+        """The named models on disk (a directory scan: call it from a thread on the serving path)."""
         return model_store.managed_models(self._repository) if self._repository is not None else []
 
     def find(self, name: str) -> model_store.ManagedModel:
@@ -160,7 +173,8 @@ class ModelRegistry:
     async def get(self, model: str | None = None) -> ModelContext:
         """The context of `model` (None: the default one). 404 for a model this server does not serve."""
         key = model if self.named else None
-        if self.named and (self._served is None or (key is not None and key not in self._served)):
+        if self.named and (self._served is None or (key is not None and key not in self._served
+                                                    and not self._index_is_fresh())):
             await self.refresh()  # 503 when Triton does not answer
         if self.named and key is None:
             ids = self.served_ids()
@@ -172,7 +186,7 @@ class ModelRegistry:
             await self._wait_for_swap(key)
         context = self._contexts.get(key)
         if (self.named and context is not None and context.engine is not None and context.engine.suspect
-                and time.monotonic() - self._refreshed_at >= REFRESH_AFTER_FAILURE_S):
+                and not self._index_is_fresh()):
             with contextlib.suppress(OpenAIError):
                 await self.refresh()
             context = self._contexts.get(key)
@@ -182,16 +196,33 @@ class ModelRegistry:
                     raise service_unavailable(f"the model {key!r} is not loaded in Triton "
                                               f"({self._unloaded[key]}); retry the request later")
                 raise self.not_found(key or "")
-            async with self._lock:  # switch() and refresh() hold it too: no context is stored over another
+            async with self._lock_for(key):  # requests for this model wait for one load; switch() holds it too
                 context = self._contexts.get(key)
                 if context is None:
-                    context = await self._load(key)
+                    context = await self._load_once(key)
                     self._contexts[key] = context
                     log.info("serving %s%s (context length %d, tool-call parser %s)", context.served_model_name,
                              f" version {context.version}" if context.version else "", context.context_length,
                              context.tool_call_parser or "none")
         if model is not None and model != context.served_model_name:
             raise self.not_found(model)
+        return context
+
+    def _index_is_fresh(self) -> bool:
+        return time.monotonic() - self._refreshed_at < REFRESH_AFTER_FAILURE_S
+
+    async def _load_once(self, key: str | None) -> ModelContext:
+        """Load `key`'s context, unless its last load failed less than LOAD_FAILURE_KEPT_S ago: then that
+        failure again (the requests that queued behind a failing load do not each retry it)."""
+        failed = self._failed_loads.get(key)
+        if failed is not None and time.monotonic() - failed[0] < LOAD_FAILURE_KEPT_S:
+            raise failed[1]
+        try:
+            context = await self._load(key)
+        except OpenAIError as exc:
+            self._failed_loads[key] = (time.monotonic(), exc)
+            raise
+        self._failed_loads.pop(key, None)
         return context
 
     @contextlib.asynccontextmanager
@@ -243,7 +274,7 @@ class ModelRegistry:
         index = await self._triton.model_index()
         self._refreshed_at = time.monotonic()
         served, unloaded = [], {}
-        for model in self.store():
+        for model, live in await asyncio.to_thread(self._live_versions):
             states = index.get(model.name, {})
             if not {READY, LOADING} & set(states.values()):
                 if states:  # a version failed to load, or was unloaded (a dead engine): 503s, not 404s
@@ -253,56 +284,45 @@ class ModelRegistry:
                 continue
             served.append(model.name)
             if model.name not in self.rolling:
-                await self._reconcile(model, states)
+                await self._reconcile(model.name, live, states)
         self._served, self._unloaded = served, unloaded
         return index
 
-    async def _reconcile(self, model: model_store.ManagedModel, states: dict[str, str]) -> None:
-        context = self._contexts.get(model.name)
+    def _live_versions(self) -> list[tuple[model_store.ManagedModel, str | None]]:
+        """Each named model on disk and its live version (rollout.json; None when unreadable, logged)."""
+        found = []
+        for model in self.store():
+            try:
+                found.append((model, str(model.live_version)))
+            except model_store.ModelStoreError as exc:
+                log.error("model %s: %s", model.name, exc)
+                found.append((model, None))
+        return found
+
+    async def _reconcile(self, name: str, live: str | None, states: dict[str, str]) -> None:
+        context = self._contexts.get(name)
         if context is not None and context.engine is not None:
             context.engine.suspect = False
         if context is not None and states.get(context.version) != READY:
-            await self._drop(model.name, context)
-        try:
-            live = str(model.live_version)
-        except model_store.ModelStoreError as exc:
-            log.error("model %s: %s", model.name, exc)
-            return
-        if states.get(live) == READY or LOADING in states.values():
+            await self._drop(name, context)
+        if live is None or states.get(live) == READY or LOADING in states.values():
             return
         now = time.monotonic()
-        if now - self._repaired_at.get(model.name, -REPAIR_EVERY_S) < REPAIR_EVERY_S:
-            return
-        if model.name in self.rolling:  # a rollout started meanwhile: it owns the files
-            return
-        self._repaired_at[model.name] = now
-        self.rolling.add(model.name)  # no rollout while the files are settled and the model loads
-        task = asyncio.get_running_loop().create_task(self._repair(model, live))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if now - self._reported_at.get(name, -REPORT_EVERY_S) >= REPORT_EVERY_S:
+            self._reported_at[name] = now
+            log.warning("model %s: Triton does not have its live version %s ready (%s); its requests get 503s until "
+                        "the launcher has it loaded again", name, live,
+                        ", ".join(f"version {v}: {s}" for v, s in sorted(states.items())) or "not loaded")
 
     async def _drop(self, name: str, context: ModelContext | None) -> None:
         """Forget `context` unless a switch replaced it meanwhile: the next request loads the live version's."""
         if context is None:
             return
-        async with self._lock:
+        async with self._lock_for(name):
             if self._contexts.get(name) is context:
                 del self._contexts[name]
                 log.warning("model %s: Triton no longer has version %s ready; re-reading its live version", name,
                             context.version)
-
-    async def _repair(self, model: model_store.ManagedModel, live: str) -> None:
-        """Make the files agree with rollout.json (model_store settle()) and have Triton load them: the
-        live version, and no other."""
-        try:
-            repaired = await asyncio.to_thread(model.settle)
-            log.warning("model %s: Triton does not have its live version %s ready%s; loading it", model.name,
-                        live, f" (an interrupted rollout was undone: {repaired})" if repaired else "")
-            await self._triton.load_model(model.name)
-        except Exception as exc:  # retried by a later refresh(); readiness stays 503 meanwhile
-            log.error("model %s: loading version %s failed: %s", model.name, live, exc)
-        finally:
-            self.rolling.discard(model.name)
 
     def not_found(self, model: str) -> OpenAIError:
         ids = ", ".join(f"'{i}'" for i in self.served_ids()) or "none loaded yet"
@@ -327,7 +347,7 @@ class ModelRegistry:
     async def switch(self, context: ModelContext) -> ModelContext | None:
         """Route the model's new requests to `context`; returns the context they went to before. Under the
         registry's lock: a lazy load in progress finishes first, and its context is the one returned."""
-        async with self._lock:
+        async with self._lock_for(context.served_model_name):
             previous = self._contexts.get(context.served_model_name)
             self._contexts[context.served_model_name] = context
             if context.served_model_name not in self.served_ids():
@@ -338,7 +358,7 @@ class ModelRegistry:
         if key is None:
             return await self._load_single()
         try:
-            live = self.find(key).live_version
+            live = await asyncio.to_thread(lambda: self.find(key).live_version)
             if not await self._triton.is_ready(key, str(live)):
                 raise service_unavailable(f"Triton does not have version {live} of model {key!r} (the live "
                                           "version) ready yet; retry the request")
@@ -349,8 +369,7 @@ class ModelRegistry:
     async def load_version(self, name: str, version: int) -> ModelContext:
         """A named model's context at `version`: that version's tokenizer, template and context length."""
         s = self._settings
-        model = self.find(name)
-        record = model.record(version)
+        model, record = await asyncio.to_thread(lambda: (m := self.find(name), m.record(version)))
         engine = VersionEngine(self._triton, name, str(version))
         asked = await engine.metadata()  # what the engine can do (top log-probs) is only known there
         tokenizer = await asyncio.to_thread(Tokenizer, model.checkpoint_dir(version), s.chat_template)

@@ -250,12 +250,72 @@ async def test_a_rollout_racing_the_first_load_ends_on_the_new_version(setup) ->
 async def test_the_switch_and_the_lazy_load_hold_one_lock(setup) -> None:
     model, triton, registry = setup
     await registry.refresh()
-    async with registry._lock:
+    async with registry._lock_for(NAME):
         switched = asyncio.create_task(registry.switch(await registry.load_version(NAME, 2)))
         await asyncio.sleep(0.05)
         assert not switched.done() and registry.current(NAME) is None
     assert await switched is None and registry.current(NAME).version == "2"  # type: ignore[union-attr]
     assert (await registry.get(NAME)).version == "2"  # the lazy load does not replace it with rollout.json's 1
+
+
+async def test_an_unknown_model_is_answered_from_the_last_index_while_it_is_fresh(
+        setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding 7: a client retrying a mistyped model id got a Triton repository index read (a scan of
+    its model directory) per request; now at most one per REFRESH_AFTER_FAILURE_S."""
+    from frontend.models import registry as registry_module
+
+    model, triton, registry = setup
+    reads = 0
+    index = triton.model_index
+
+    async def counted() -> dict[str, dict[str, str]]:
+        nonlocal reads
+        reads += 1
+        return await index()
+
+    triton.model_index = counted
+    now = [1000.0]
+    monkeypatch.setattr(registry_module.time, "monotonic", lambda: now[0])
+    for _ in range(50):
+        with pytest.raises(OpenAIError) as raised:
+            await registry.get("no-such-model")
+        assert raised.value.status == 404
+    assert reads == 1
+    now[0] += registry_module.REFRESH_AFTER_FAILURE_S
+    with pytest.raises(OpenAIError):
+        await registry.get("no-such-model")
+    assert reads == 2
+
+
+async def test_requests_waiting_on_a_failing_load_share_its_failure(setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding 7: requests queued behind a model's load each retried it after it failed; now one load,
+    its 503 for all of them (for LOAD_FAILURE_KEPT_S), and a load of another model does not wait for it."""
+    model, triton, registry = setup
+    await registry.refresh()
+    attempts = 0
+    gate = asyncio.Event()
+    load_version = registry.load_version
+
+    async def failing(name: str, version: int) -> ModelContext:
+        nonlocal attempts
+        if name != NAME:
+            return await load_version(name, version)
+        attempts += 1
+        await gate.wait()
+        raise service_unavailable("Triton is busy")
+
+    registry.load_version = failing  # type: ignore[method-assign]
+    waiting = [asyncio.create_task(registry.get(NAME)) for _ in range(20)]
+    while attempts == 0:
+        await asyncio.sleep(0)
+    make_model(model.directory.parent.parent, [1], live=1, name="coder")
+    triton.ready["coder"] = {1}
+    await registry.refresh()
+    coder = await asyncio.wait_for(registry.get("coder"), 60)  # not behind the other model's load (it would hang)
+    assert coder.version == "1"
+    gate.set()
+    results = await asyncio.gather(*waiting, return_exceptions=True)
+    assert attempts == 1 and all(isinstance(r, OpenAIError) and r.status == 503 for r in results)
 
 
 async def test_served_models_are_what_triton_has_loaded(setup, tmp_path: Path) -> None:
@@ -315,18 +375,51 @@ async def test_a_triton_restart_mid_rollout_goes_to_the_version_rollout_json_nam
     assert (await registry.get(NAME)).version == "1"
 
 
-async def test_the_frontend_has_triton_load_the_live_version_it_lacks(setup) -> None:
-    """The rollout committed 2 (its last load failed: Triton was down) after the launcher's settle, and the
-    restarted Triton loaded 1: the frontend settles the files again and asks Triton to load them."""
+async def test_the_frontend_reports_a_live_version_triton_lacks_and_loads_nothing(setup) -> None:
+    """Review finding 8: the rollout committed 2 (its last load failed: Triton was down) after the launcher's
+    settle, and the restarted Triton loaded 1. A frontend worker does not repair that (every worker would, each
+    its own load_model): it answers 503 and logs; the launcher repairs (the next test)."""
     model, triton, registry = setup
     model.commit(live=2, previous=1)
     model.set_loaded([1, 2])
     triton.ready[NAME] = {1}
     assert not await registry.is_ready()
-    while NAME in registry.rolling:  # the repair, in the background
-        await asyncio.sleep(0.01)
-    assert triton.loads == [([2], 2)] and model.loaded_versions() == [2]
-    assert await registry.is_ready() and (await registry.get(NAME)).version == "2"
+    assert not await registry.is_ready()
+    assert triton.loads == [] and NAME not in registry.rolling and model.loaded_versions() == [1, 2]
+
+
+def test_the_launcher_settles_then_loads_a_named_model_whose_live_version_triton_lacks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same state, from the launcher's health check: the model is missing, and reload() settles its files
+    (policy and link back to rollout.json's 2) before the one load_model."""
+    from launcher import engine_health
+
+    model = make_model(tmp_path, [1, 2], live=1)
+    model.commit(live=2, previous=1)
+    model.set_loaded([1, 2])
+    loads: list[tuple[str, list[int], int | None]] = []
+
+    class FakeClient:
+        def __init__(self, url: str) -> None:
+            pass
+
+        def load_model(self, name: str, headers: object = None) -> None:
+            loads.append((name, model.loaded_versions(), model.live_link_target()))
+
+        def close(self) -> None:
+            pass
+
+    health = engine_health.EngineHealth("127.0.0.1:1", "key", lambda: [NAME], probe=lambda url, name: None,
+                                        repository=tmp_path / "models")
+    index = {NAME: [{"name": NAME, "version": "1", "state": "READY"}]}
+    health._index = lambda: index  # type: ignore[method-assign]
+    problem = health.check()
+    assert problem is not None and problem.missing == (NAME,)
+    monkeypatch.setattr(engine_health.grpcclient, "InferenceServerClient", FakeClient)
+    health.reload(problem.missing)
+    assert loads == [(NAME, [2], 2)]
+    index[NAME] = [{"name": NAME, "version": "2", "state": "READY"}]
+    assert health.check() is None
 
 
 def test_the_launcher_settles_every_model_before_each_triton_restart(tmp_path: Path,
