@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from frontend.observability.logs import configure_logging
 from frontend.settings import Settings
 
-SECRET_FLAGS = ("--api-keys", "--api_keys", "--admin-api-keys", "--admin_api_keys")  # settings that must never be given on a command line
+SECRET_FLAGS = ("--api-keys", "--api_keys", "--admin-api-keys", "--admin_api_keys", "--responses-db-password",
+                "--responses_db_password")  # settings that must never be given on a command line
 
 
 def refuse_secret_flags(argv: Sequence[str]) -> None:

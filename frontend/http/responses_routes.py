@@ -114,8 +114,8 @@ def detached(request: Request, context: ModelContext) -> tuple[Request, Callable
 async def create_response(req: ResponsesRequest, request: Request) -> Response:
     caller = owner(request)  # the edge gave the request its deadline, as it gives chat and completions theirs
     responses = service(request)
-    prepared, chat, messages = await responses.prepare(req, caller)
     context = await model_context(request, req.model)
+    prepared, chat, messages = await responses.prepare(req, caller, context.context_length)
     planned = await planned_prompt(request, chat, messages, context, req.truncation)
     run = responses.run(prepared, context.served_model_name, context.tokenizer)
     request_id = request_context(request).request_id
