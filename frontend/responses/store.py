@@ -406,6 +406,8 @@ class ResponseStore:
             values["events"], values["events_bytes"] = None, 0
             new_size = t.c.input_bytes + response_bytes
         else:
+            if events:  # a stream is kept from now on (module docstring), if it was not already
+                values["events"] = func.coalesce(t.c.events, "[]")
             values["events_bytes"] = t.c.events_bytes + sum(size for _, size in events)
             new_size = t.c.input_bytes + values["events_bytes"] + response_bytes
         visible = self._visible(owner, response_id)
