@@ -409,9 +409,8 @@ class ResponsesService:
 
     async def _follow(self, store: ResponseStore, owner: str, response_id: str, after: int,
                       record: StoredResponse) -> AsyncIterator[Event]:
-        """Each poll reads only the events past the last one sent. A stream that ended without its terminal
-        event (its process died, or its events were dropped as too large) gets one made from the stored
-        response, so that a follower always ends as the stream would have."""
+        """Each poll reads only the events past the last one sent. A stream whose events were dropped as too
+        large while it ran (another process's run) ends with a terminal event made from the stored response."""
         while True:
             local = self.runs.get(response_id)
             if local is not None:  # running here: its events as they come
@@ -421,10 +420,8 @@ class ResponsesService:
             for event in record.events or []:
                 after = event["sequence_number"]
                 yield event
-                if events.is_terminal(event):
-                    return
             if record.status in TERMINAL_STATUSES:
-                if record.status != "cancelled":
+                if record.events is None and record.status != "cancelled":
                     yield events.numbered(events.response_event(record.status, record.response), after + 1)
                 return
             await anyio.sleep(self.poll_s)

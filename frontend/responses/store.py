@@ -433,14 +433,28 @@ class ResponseStore:
                                .values(heartbeat_at_ms=self._now_ms()))
 
     async def _fail_if_stale(self, owner: str, response_id: str) -> None:
-        """One conditional UPDATE: failed, if it still runs and its heartbeat is still stale. Its own
-        transaction, after the read that saw it stale (SQLite cannot upgrade a read lock; docstring)."""
+        """One conditional UPDATE: failed, if it still runs and its heartbeat is still stale; then, in the
+        same transaction, its kept stream gets the `response.failed` event its run never wrote, so that
+        followers and replays end as a failed stream does. Its own transaction, after the read that saw it
+        stale (SQLite cannot upgrade a read lock; module docstring)."""
+        t, e = responses_table, events_table
         async with self._engine.begin() as conn:
-            result = await conn.execute(update(responses_table).where(
+            result = await conn.execute(update(t).where(
                 self._visible(owner, response_id), self._stale()).values(status="failed"))
-        if result.rowcount:
-            log.warning("response %s: the process running it has not been heard from for %g s: failed",
-                        response_id, self.stale_after_s)
+            if not result.rowcount:
+                return
+            row = (await conn.execute(select(t.c.response, t.c.events).where(t.c.id == response_id))).one()
+            if row.events is not None:
+                last = (await conn.execute(select(func.max(e.c.seq)).where(e.c.response_id == response_id))).scalar()
+                seq = max([-1 if last is None else last] + [ev["sequence_number"] for ev in json.loads(row.events)]) + 1
+                response = {**json.loads(row.response), "status": "failed", "error": dict(STALE_ERROR)}
+                failed = {"type": "response.failed", "response": response, "sequence_number": seq}
+                dumped = _dumps(failed)
+                await self._append_events(conn, response_id, [failed], [dumped])
+                await conn.execute(update(t).where(t.c.id == response_id)
+                                   .values(events_bytes=t.c.events_bytes + dumped[1]))
+        log.warning("response %s: the process running it has not been heard from for %g s: failed",
+                    response_id, self.stale_after_s)
 
     async def delete(self, owner: str, response_id: str) -> bool:
         """Delete the response, its input items and its events; False if it is not visible."""

@@ -462,9 +462,12 @@ async def test_a_running_response_whose_heartbeat_is_stale_reads_as_failed(open_
     clock.now = T0 + 51  # resp_run's process has been silent for 31 s; resp_queued's for 31 s too
     dead = await store.get("alice", "resp_run")
     assert dead.status == "failed" and dead.response["status"] == "failed"
-    assert dead.response["error"] == STALE_ERROR and dead.events == events
+    assert dead.response["error"] == STALE_ERROR
+    # Its stream ends as a failed one does, for followers and replays alike.
+    assert dead.events[:-1] == events and dead.events[-1]["type"] == "response.failed"
+    assert dead.events[-1]["sequence_number"] == 1 and dead.events[-1]["response"] == dead.response
     followed = await store.get("alice", "resp_queued", events_after=0, items=False)
-    assert followed.status == "failed" and followed.events == []
+    assert followed.status == "failed" and [e["type"] for e in followed.events] == ["response.failed"]
     assert (await store.get("alice", "resp_done")).status == "completed"  # a finished one is never stale
     # Persisted: another process (a fresh store, whatever its window) reads failed from the column.
     other = await open_store(clock=clock, stale_after_s=10**6)
