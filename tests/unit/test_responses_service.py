@@ -16,7 +16,8 @@ from frontend.generation.serving import TextDelta, UsageCounter
 from frontend.openai.errors import OpenAIError
 from frontend.responses.request import ResponsesRequest
 from frontend.responses.run import ResponseRun
-from frontend.responses.service import LazyStore, ResponsesService
+from frontend.responses.service import LazyStore, ResponsesService, database_url, store_description
+from frontend.settings import Settings
 from frontend.responses.store import ResponseStore
 
 class ScriptedGeneration:
@@ -325,3 +326,30 @@ async def test_a_follower_of_a_run_whose_process_died_ends_failed(tmp_path: Path
             group.cancel_scope.cancel()
     finally:
         await store.close()
+
+
+def test_the_database_password_comes_from_a_file_or_the_environment(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Kubernetes or compose secret holds the password (a mounted file, or an env var from a secretKeyRef);
+    the URL in the manifest has none. The log never shows it."""
+    dsn = "postgresql+asyncpg://app@db:5432/responses"
+    monkeypatch.setenv("RESPONSES_DB_URL", dsn)
+    secret = tmp_path / "password"
+    secret.write_text("p@ss:w/rd\n")
+    monkeypatch.setenv("RESPONSES_DB_PASSWORD_FILE", str(secret))
+    url = database_url(Settings())
+    assert url.password == "p@ss:w/rd" and url.host == "db" and url.database == "responses"
+    assert "p@ss" not in store_description(url)
+    monkeypatch.delenv("RESPONSES_DB_PASSWORD_FILE")
+    monkeypatch.setenv("RESPONSES_DB_PASSWORD", "from-env")
+    settings = Settings()
+    assert database_url(settings).password == "from-env" and "from-env" not in repr(settings)
+    monkeypatch.setenv("RESPONSES_DB_PASSWORD_FILE", str(secret))
+    with pytest.raises(ValueError, match="not both"):
+        Settings()
+    monkeypatch.delenv("RESPONSES_DB_PASSWORD_FILE")
+    monkeypatch.delenv("RESPONSES_DB_PASSWORD")
+    assert database_url(Settings()).render_as_string(hide_password=False) == dsn  # none set: the URL as given
+    monkeypatch.delenv("RESPONSES_DB_URL")
+    default = database_url(Settings())  # never relative to the working directory
+    assert default.get_backend_name() == "sqlite" and Path(default.database).is_absolute()
