@@ -171,6 +171,12 @@ class LazyStore:
                       "back (retried every %g s); chat and completions are not affected",
                       self.description, reason, self.retry_s)
 
+    def working(self) -> None:
+        """A use succeeded: after a failure, say so (and log the next failure again)."""
+        if self._logged is not None:
+            self._logged = None
+            log.info("stored responses: %s (available again)", self.description)
+
     async def close(self) -> None:
         if self.current is not None:
             await self.current.close()
@@ -200,6 +206,7 @@ class ResponsesService:
         except DATABASE_ERRORS as exc:
             self.stores.failed(exc)
             raise store_unavailable(self.stores.retry_s) from None
+        self.stores.working()
 
     @classmethod
     @contextlib.asynccontextmanager

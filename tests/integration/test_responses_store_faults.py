@@ -84,7 +84,7 @@ def runner_pid(log: Path, response_id: str) -> int | None:
 def test_a_killed_workers_background_response_reads_failed_and_its_followers_end(stack: Stack,
                                                                                   tmp_path: Path) -> None:
     log = tmp_path / "frontend.log"
-    with frontend_on(stack, SLOW_MODEL, tmp_path, FRONTEND_WORKERS="2", RESPONSES_STALE_AFTER_S="3") as url:
+    with frontend_on(stack, SLOW_MODEL, tmp_path, FRONTEND_WORKERS="2", RESPONSES_STALE_AFTER_S="5") as url:
         # The slow engine takes >= 50 ms a token: 400 tokens are >= 20 s, far longer than the test needs.
         with httpx.stream("POST", f"{url}/responses", timeout=WAIT_S, json={
                 "model": stack.model, "input": "Write a long story.", "max_output_tokens": 400, "background": True,
