@@ -23,8 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import anyio
@@ -264,6 +262,8 @@ class ResponsesService:
                                           f"{store.max_bytes}); send it with store: false", "input")
                 if req.previous_response_id is not None:
                     chain = await self._chain(store, req, owner, input_bytes, context_length)
+                elif not req.background:  # a foreground response writes only once it has run: is it reachable?
+                    await store.ping()
         if not chain and not items:
             raise invalid_request("input is required (or a previous_response_id to continue)", "input")
         if len(chain) + len(items) > MAX_CONVERSATION_ITEMS:

@@ -287,6 +287,11 @@ class ResponseStore:
     async def close(self) -> None:
         await self._engine.dispose()
 
+    async def ping(self) -> None:
+        """One round trip; raises what the database raises when it cannot be reached."""
+        async with self._engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+
     async def _migrate(self) -> None:
         """Apply the steps past the database's version, one transaction under a lock (see the docstring)."""
         async with self._engine.connect() as conn:

@@ -18,6 +18,7 @@ from frontend.responses.request import ResponsesRequest
 from frontend.responses.run import ResponseRun
 from frontend.responses.service import LazyStore, ResponsesService, database_url, store_description
 from frontend.settings import Settings
+from tests.conftest import PostgreSQLServer
 from frontend.responses.store import ResponseStore
 
 class ScriptedGeneration:
@@ -353,3 +354,29 @@ def test_the_database_password_comes_from_a_file_or_the_environment(tmp_path: Pa
     monkeypatch.delenv("RESPONSES_DB_URL")
     default = database_url(Settings())  # never relative to the working directory
     assert default.get_backend_name() == "sqlite" and Path(default.database).is_absolute()
+
+
+async def test_a_postgresql_that_stops_is_a_503_and_is_used_again_once_back(tmp_path: Path) -> None:
+    """The store is open; its server stops: what needs it (a stored response before it runs, a GET) is a
+    503 with Retry-After, never a 500 or an answer that is then not stored; the server back, all works."""
+    server = PostgreSQLServer()
+    store = None
+    try:
+        store = await ResponseStore.open(server.url)
+        service = ResponsesService(store)
+        await new_run(service)
+        server.stop()
+        for call in (lambda: new_run(service), lambda: service.get("alice", "resp_x"),
+                     lambda: new_run(service, previous_response_id="resp_x")):
+            with pytest.raises(OpenAIError) as refused:
+                await call()
+            assert refused.value.status == 503 and "Retry-After" in refused.value.headers
+        server.start()
+        await new_run(service)
+        with pytest.raises(OpenAIError) as missing:
+            await service.get("alice", "resp_x")
+        assert missing.value.status == 404
+    finally:
+        if store is not None:
+            await store.close()
+        server.close()
