@@ -36,9 +36,9 @@ Chains. `chain_bytes` is a response's input and output items' JSON bytes plus it
 past a bound before loading anything, and `conversation(max_bytes=...)` reads newest first and stops.
 
 Migrations: a small versioned schema table (`stored_responses_schema`) and an ordered list of DDL steps in
-this module, applied under a lock at `open()`, rather than Alembic. The schema is three tables owned by
+this module, applied under a lock at `open()`, rather than Alembic. The schema is four tables owned by
 this one module; Alembic would add a dependency, a migrations directory and an env.py to ship and run
-programmatically, to buy autogeneration and downgrades that three tables do not need. The lock makes
+programmatically, to buy autogeneration and downgrades that four tables do not need. The lock makes
 concurrent opens safe (every worker opens the store at start): `pg_advisory_xact_lock` on PostgreSQL,
 `BEGIN IMMEDIATE` on SQLite; both dialects run DDL inside the transaction, so a step applies wholly or
 not at all. A database migrated by a newer frontend (a higher version than this module knows) is refused
