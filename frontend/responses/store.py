@@ -39,7 +39,7 @@ Migrations: a small versioned schema table (`stored_responses_schema`) and an or
 this module, applied under a lock at `open()`, rather than Alembic. The schema is four tables owned by
 this one module; Alembic would add a dependency, a migrations directory and an env.py to ship and run
 programmatically, to buy autogeneration and downgrades that four tables do not need. The lock makes
-concurrent opens safe (every worker opens the store at start): `pg_advisory_xact_lock` on PostgreSQL,
+concurrent opens safe (every worker opens the store, at start or at first use): `pg_advisory_xact_lock` on PostgreSQL,
 `BEGIN IMMEDIATE` on SQLite; both dialects run DDL inside the transaction, so a step applies wholly or
 not at all. A database migrated by a newer frontend (a higher version than this module knows) is refused
 rather than used with a schema this code does not understand.
