@@ -31,17 +31,19 @@ from frontend.observability.logs import configure_logging
 from frontend.settings import Settings
 
 SECRET_FLAGS = ("--api-keys", "--api_keys", "--admin-api-keys", "--admin_api_keys", "--responses-reasoning-keys",
-                "--responses_reasoning_keys")  # settings that must never be given on a command line
+                "--responses_reasoning_keys", "--responses-db-password",
+                "--responses_db_password")  # settings that must never be given on a command line
 
 
 def refuse_secret_flags(argv: Sequence[str]) -> None:
     """Exit (status 2, as argparse does) if a secret is passed as a flag; the message never echoes it."""
     for arg in argv:  # anywhere, even after `--`: the key would be in `ps` all the same
         if arg.partition("=")[0] in SECRET_FLAGS:
-            print(f"error: {arg.partition('=')[0]} is refused: a key on a command line is readable by every "
-                  "local user (ps, /proc/<pid>/cmdline) and stays in shell history. Set API_KEYS=<key>[,<key>...] "
-                  "in the environment, or API_KEYS_FILE=<file> (one key per line, reloaded on SIGHUP).",
-                  file=sys.stderr)
+            print(f"error: {arg.partition('=')[0]} is refused: a secret on a command line is readable by every "
+                  "local user (ps, /proc/<pid>/cmdline) and stays in shell history. Set it in the environment "
+                  "(API_KEYS=<key>[,<key>...], ADMIN_API_KEYS, RESPONSES_DB_PASSWORD) or name a file "
+                  "(API_KEYS_FILE: one key per line, reloaded on SIGHUP; ADMIN_API_KEYS_FILE; "
+                  "RESPONSES_DB_PASSWORD_FILE).", file=sys.stderr)
             sys.exit(2)
 
 

@@ -10,6 +10,7 @@ at start, so a plain `python -m frontend` next to a running Triton needs no flag
 from __future__ import annotations
 
 import ssl
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -128,14 +129,33 @@ class Settings(BaseSettings):
                                                             "before they are cancelled")
     # Stored responses (/v1/responses with store, previous_response_id, background; frontend/responses/)
     responses_db_url: str = Field(
-        "sqlite:///build/responses.sqlite3",
-        description="database of stored responses: sqlite:///path (one file, shared by this machine's workers; "
-                    "default: build/responses.sqlite3 under the working directory, `make serve` puts it in its "
-                    "work dir) or postgresql://user:pass@host/db (shared by replicas)")
+        f"sqlite:///{Path(tempfile.gettempdir()) / 'tritonllm' / 'responses.sqlite3'}",
+        description="database of stored responses. Deploys must set it: sqlite:////tmp/responses.sqlite3 (one file, "
+                    "shared by one machine's workers: one replica) or postgresql+asyncpg://user@host/db (shared by "
+                    "replicas; the password from RESPONSES_DB_PASSWORD_FILE or RESPONSES_DB_PASSWORD). The default, a "
+                    "file in this machine's temp dir (absolute, so a read-only working directory does not matter), "
+                    "is for trying the server out; `make serve` puts the file in its work dir. The store is opened "
+                    "when first needed: while it cannot be, /v1/responses answers 503 and everything else serves")
+    responses_db_password_file: Path | None = Field(
+        None, description="file holding the responses database's password (a mounted Kubernetes or compose "
+                          "secret), put into RESPONSES_DB_URL; read at start")
+    # Env only, like api_keys: `python -m frontend` refuses the flag (frontend.__main__).
+    responses_db_password: CliSuppress[SecretStr | None] = Field(
+        None, description="RESPONSES_DB_PASSWORD: the responses database's password (e.g. from a secretKeyRef), "
+                          "put into RESPONSES_DB_URL")
     responses_ttl_days: float = Field(30.0, gt=0, description="stored responses expire this many days after "
                                                               "their creation (purged hourly)")
     responses_max_bytes: int = Field(4 * 1024 * 1024, ge=1, description="largest stored response (response, "
-                                     "input items and stream events as JSON); a larger one is not stored")
+                                     "input items and stream events as JSON): a larger one is kept without its "
+                                     "stream events (no replay), or failed if still too large; input alone "
+                                     "larger is refused (400)")
+    responses_max_chain_bytes: int = Field(
+        16 * 1024 * 1024, ge=1, description="largest previous_response_id chain (JSON bytes of every input and "
+                                            "output item in it): a request continuing a larger one is refused "
+                                            "(400, param previous_response_id)")
+    responses_stale_after_s: float = Field(
+        30.0, gt=0, description="a background response whose process has not refreshed its heartbeat for this "
+                                "long (the process died) reads as failed; refreshed every third of it")
     # Reasoning the client carries (include reasoning.encrypted_content; frontend/responses/sealing.py)
     # Env only, like api_keys: a secret.
     responses_reasoning_keys: CliSuppress[SecretStr | None] = Field(
@@ -201,6 +221,8 @@ class Settings(BaseSettings):
     def _tls_pair(self) -> "Settings":
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile must be given together")
+        if self.responses_db_password_file is not None and self.responses_db_password is not None:
+            raise ValueError("set responses_db_password_file or responses_db_password, not both")
         return self
 
     def triton_control_key(self) -> str | None:

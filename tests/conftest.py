@@ -59,47 +59,71 @@ def _run_as(user: pwd.struct_passwd | None) -> dict[str, Any]:
             "env": {**os.environ, "HOME": user.pw_dir, "USER": user.pw_name}}
 
 
-@pytest.fixture(scope="session")
-def postgresql_url() -> Iterator[str]:
-    bin_dir = postgresql_bin_dir()
-    if bin_dir is None:
-        pytest.fail("PostgreSQL server binaries (initdb, pg_ctl, postgres, createdb) not found on PATH, in "
-                    "$PG_BIN or under /usr/lib/postgresql/*/bin: install them (Debian: apt-get install "
-                    "postgresql) to run the PostgreSQL half of these tests", pytrace=False)
-    run_as: pwd.struct_passwd | None = None
-    if os.geteuid() == 0:
-        try:
-            run_as = pwd.getpwnam("postgres")
-        except KeyError:
-            pytest.fail("running as root, and PostgreSQL refuses to: no `postgres` user to run it as "
-                        "(Debian's postgresql package creates one)", pytrace=False)
-    # Under /tmp, not $TMPDIR: a Unix socket path may not exceed 107 bytes.
-    root = Path(tempfile.mkdtemp(prefix="pg-tests-", dir="/tmp" if Path("/tmp").is_dir() else None))
-    data, log = root / "data", root / "server.log"
-    port = find_free_port()
-    as_user = _run_as(run_as)
-    if run_as is not None:
-        os.chown(root, run_as.pw_uid, run_as.pw_gid)
+class PostgreSQLServer:
+    """A throwaway PostgreSQL cluster (module docstring): `start()` and `stop()` may alternate (the same data
+    dir, socket and port each time, so a URL stays valid across a restart); `close()` stops it and deletes it."""
 
-    def run(*command: str) -> None:
-        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=PG_START_TIMEOUT_S,
-                              **as_user)
+    def __init__(self) -> None:
+        bin_dir = postgresql_bin_dir()
+        if bin_dir is None:
+            pytest.fail("PostgreSQL server binaries (initdb, pg_ctl, postgres, createdb) not found on PATH, in "
+                        "$PG_BIN or under /usr/lib/postgresql/*/bin: install them (Debian: apt-get install "
+                        "postgresql) to run the PostgreSQL half of these tests", pytrace=False)
+        self.bin_dir = bin_dir
+        self.run_as: pwd.struct_passwd | None = None
+        if os.geteuid() == 0:
+            try:
+                self.run_as = pwd.getpwnam("postgres")
+            except KeyError:
+                pytest.fail("running as root, and PostgreSQL refuses to: no `postgres` user to run it as "
+                            "(Debian's postgresql package creates one)", pytrace=False)
+        # Under /tmp, not $TMPDIR: a Unix socket path may not exceed 107 bytes.
+        self.root = Path(tempfile.mkdtemp(prefix="pg-tests-", dir="/tmp" if Path("/tmp").is_dir() else None))
+        self.data, self.log = self.root / "data", self.root / "server.log"
+        self.port = find_free_port()
+        if self.run_as is not None:
+            os.chown(self.root, self.run_as.pw_uid, self.run_as.pw_gid)
+        self.url = f"postgresql://{PG_USER}@/{PG_DATABASE}?host={self.root}&port={self.port}"
+        try:
+            self._run(str(bin_dir / "initdb"), "-D", str(self.data), "-U", PG_USER, "--auth=trust",
+                      "--encoding=UTF8", "--no-sync", "--no-instructions")
+            self.start()
+            self._run(str(bin_dir / "createdb"), "-h", str(self.root), "-p", str(self.port), "-U", PG_USER,
+                      PG_DATABASE)
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self, *command: str) -> None:
+        done = subprocess.run(command, cwd=self.root, capture_output=True, text=True, timeout=PG_START_TIMEOUT_S,
+                              **_run_as(self.run_as))
         if done.returncode != 0:
-            server_log = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+            server_log = self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
             pytest.fail(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout}{done.stderr}\n"
                         f"server log:\n{server_log}", pytrace=False)
 
-    try:
-        run(str(bin_dir / "initdb"), "-D", str(data), "-U", PG_USER, "--auth=trust", "--encoding=UTF8",
-            "--no-sync", "--no-instructions")
+    def start(self) -> None:
+        """Start the server and return once it accepts connections (pg_ctl -w)."""
         # fsync off: a test cluster need not survive a power cut, and this keeps the tests I/O-cheap.
-        options = f"-k {root} -p {port} -c listen_addresses='' -c fsync=off -c full_page_writes=off"
-        run(str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options,
-            "-w", "-t", str(PG_START_TIMEOUT_S), "start")
-        run(str(bin_dir / "createdb"), "-h", str(root), "-p", str(port), "-U", PG_USER, PG_DATABASE)
-        yield f"postgresql://{PG_USER}@/{PG_DATABASE}?host={root}&port={port}"
+        options = f"-k {self.root} -p {self.port} -c listen_addresses='' -c fsync=off -c full_page_writes=off"
+        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", options,
+                  "-w", "-t", str(PG_START_TIMEOUT_S), "start")
+
+    def stop(self) -> None:
+        """Stop the server (fast: open connections are closed) and return once it has."""
+        if (self.data / "postmaster.pid").exists():
+            subprocess.run([str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"],
+                           cwd=self.root, capture_output=True, timeout=PG_START_TIMEOUT_S, **_run_as(self.run_as))
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgresql_url() -> Iterator[str]:
+    server = PostgreSQLServer()
+    try:
+        yield server.url
     finally:
-        if (data / "postmaster.pid").exists():
-            subprocess.run([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"], cwd=root,
-                           capture_output=True, timeout=PG_START_TIMEOUT_S, **as_user)
-        shutil.rmtree(root, ignore_errors=True)
+        server.close()

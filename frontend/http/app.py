@@ -69,7 +69,8 @@ def create_app(settings: Settings, coordinator: str | None = None) -> FastAPI:
             await app.state.models.all()
         except OpenAIError as exc:  # Triton not up yet: serve 503s and retry on each request
             log.warning("model not loaded yet (%s); will retry on the next request", exc.message)
-        # Stored responses: the store opened, expired ones purged, background responses run, until shutdown.
+        # Stored responses: expired ones purged, background responses run, until shutdown. The store opens
+        # in the background and when a request needs it: a database that is down costs /v1/responses only.
         async with ResponsesService.running(settings) as app.state.responses:
             yield
         if hup:

@@ -138,8 +138,8 @@ async def create_response(req: ResponsesRequest, request: Request) -> Response:
     caller = owner(request)  # the edge gave the request its deadline, as it gives chat and completions theirs
     responses = service(request)
     req = open_reasoning(req, seal_of(request))
-    prepared, chat, messages = await responses.prepare(req, caller)
     context = await model_context(request, req.model)
+    prepared, chat, messages = await responses.prepare(req, caller, context.context_length)
     planned = await planned_prompt(request, chat, messages, context, req.truncation)
     run = responses.run(prepared, context.served_model_name, context.tokenizer)
     run.assembler.configure(req.offered_tools, req.chosen_tool,

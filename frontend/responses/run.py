@@ -49,6 +49,8 @@ class ResponseRun:
         self.assembler = OutputAssembler(strings, (req.top_logprobs or 0) if req.wants_logprobs else None)
         self.keep_events = req.stream  # a stored stream can be replayed (GET ?stream=true)
         self.events: list[Event] = []
+        self._written = 0  # events already in the store (they are appended, never rewritten)
+        self._drop_events = False  # too large with them: the next write drops the stored ones
         self.status = "queued" if req.background else "in_progress"
         self.final: dict[str, Any] | None = None
         self.usage: UsageCounter | None = None
@@ -175,24 +177,49 @@ class ResponseRun:
                               events=self.events if self.keep_events else None)
 
     async def create(self) -> None:
-        await self.store.create(self.record())
+        """The run's first write (a foreground run's only one, once it has ended); ResponseTooLarge only if
+        not even a failed record without output fits (its input alone is over the cap)."""
+        await self._save(create=True)
 
     async def update(self) -> None:
-        """Write the run as it stands. Too large to store whole: the response is kept without its events,
-        or, if even that is over the cap, as failed (what a later GET or chain would find is then honest)."""
-        record = self.record()
-        try:
-            await self.store.update(record.owner, record.id, status=record.status, response=record.response,
-                                    output_items=record.output_items, events=record.events)
-        except ResponseTooLarge as exc:
-            log.warning("response %s: %s; stored as failed", self.id, exc)
-            failed = self.response("failed", error_object("the response is too large to store"))
-            await self.store.update(record.owner, record.id, status="failed",
-                                    response={**failed, "output": []}, output_items=[], events=[])
+        """Write the run as it stands: the response, and the stream's events not written yet."""
+        await self._save(create=False)
 
     async def create_final(self) -> None:
         """A foreground run's one write, once it has ended."""
         try:
             await self.create()
-        except ResponseTooLarge as exc:
+        except ResponseTooLarge as exc:  # the API refuses such input up front: not expected here
             log.warning("response %s was not stored: %s", self.id, exc)
+
+    async def _save(self, create: bool) -> None:
+        """Too large to store whole, the response is kept without its stream events (no replay, but GET
+        and previous_response_id find it); if even that is over the cap, as failed without its output
+        (what a later GET or chain finds is then honest)."""
+        try:
+            await self._write(self.record(), create)
+            return
+        except ResponseTooLarge as exc:
+            if not self.keep_events:
+                log.warning("response %s: %s; stored as failed", self.id, exc)
+            else:
+                log.warning("response %s: %s; stored without its stream events", self.id, exc)
+                self.keep_events, self._drop_events = False, True
+                try:
+                    await self._write(self.record(), create)
+                    return
+                except ResponseTooLarge as again:
+                    log.warning("response %s: %s; stored as failed", self.id, again)
+        failed = self.response("failed", error_object("the response is too large to store"))
+        record = self.record()
+        record.status, record.response, record.output_items = "failed", {**failed, "output": []}, []
+        await self._write(record, create)
+
+    async def _write(self, record: StoredResponse, create: bool) -> None:
+        if create:
+            await self.store.create(record)
+        else:
+            await self.store.update(record.owner, record.id, status=record.status, response=record.response,
+                                    output_items=record.output_items, drop_events=self._drop_events,
+                                    new_events=record.events[self._written:] if record.events is not None else None)
+        self._written, self._drop_events = len(self.events), False

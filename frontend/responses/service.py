@@ -10,29 +10,37 @@ every read, delete and cancel is scoped to it in the store, so another key's id 
 Background responses run in this process's task group, after the HTTP request has returned; a cancel
 (from any worker process: it is a flag in the store) is seen by the run, which polls for it every
 `poll_s` and then saves its stream's new events too (so that another process can follow the stream).
-On shutdown the runs still going are cancelled and stored as failed.
+On shutdown the runs still going are cancelled and stored as failed; a run whose process dies without
+shutting down (kill -9, OOM) stops refreshing its heartbeat, and readers find it failed (store.py).
+
+The store never takes the server down (`LazyStore`): it is opened on first need, not at start-up, and a
+database that is down, unreachable or misconfigured makes /v1/responses answer 503 with Retry-After while
+chat and completions serve as usual; it is opened again (or reconnects) by itself once the database is back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import anyio
 from anyio.abc import TaskGroup
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DBAPIError
 
 from frontend.generation.serving import Generation
 from frontend.openai.errors import OpenAIError, invalid_request
 from frontend.openai.schemas import ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat
 from frontend.responses.conversation import conversation_messages, stored_item
+from frontend.responses import events
 from frontend.responses.events import Event
 from frontend.responses.objects import TERMINAL_STATUSES, deleted_object, item_list, new_id, now, request_echo
 from frontend.responses.output import TokenStrings
 from frontend.responses.request import ResponsesRequest
 from frontend.responses.run import Prepared, ResponseRun
-from frontend.responses.store import ChainTooLong, ResponseStore, ResponseTooLarge
+from frontend.responses.store import ChainTooLong, ResponseStore, ResponseTooLarge, StoredResponse, json_size
 from frontend.responses.tools import chat_tools
 from frontend.settings import Settings
 
@@ -41,6 +49,15 @@ log = logging.getLogger("frontend")
 POLL_S = 0.2  # a background run's cancel check (and a follower's check for new events of another process's run)
 PURGE_INTERVAL_S = 3600.0
 MAX_CONVERSATION_ITEMS = 4096  # a previous_response_id chain's items and this request's, together
+STORE_RETRY_S = 2.0  # an unavailable store is tried again this long after a failed open (Retry-After)
+# With `truncation: auto`, the chain is read newest first until it holds this many JSON bytes per token of
+# context: far more than any prompt that fits (a token is a few bytes of text; its item JSON adds a little),
+# so only history that could never fit is left unread. drop_oldest_turns then cuts it exactly.
+CHAIN_BYTES_PER_CONTEXT_TOKEN = 32
+# Whatever a query on the database raises when the database itself fails (connection refused or lost, a
+# server shutting down, a timeout): a 503, never a 500. Errors of our own SQL would be DBAPIErrors too,
+# but the unit tests run every statement on both backends.
+DATABASE_ERRORS = (DBAPIError, OSError, TimeoutError)
 
 # The chat pipeline names chat fields in its errors; a Responses client sent these instead.
 RESPONSES_PARAMS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens",
@@ -91,36 +108,131 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
         )
 
 
+def store_unavailable(retry_after_s: float) -> OpenAIError:
+    return OpenAIError(503, "stored responses are unavailable right now (the database cannot be reached); "
+                       "try again later", "server_error", None, "service_unavailable",
+                       {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
+class LazyStore:
+    """The store, opened by the first caller that needs it and again after a failure (module docstring).
+
+    One open at a time (a lock); a failed one is not retried before `retry_s` (each caller meanwhile gets
+    a 503 whose Retry-After says when), so a down database costs one connection attempt per `retry_s`,
+    not one per request. Each distinct reason is logged once, with what it means for the server."""
+
+    def __init__(self, opener: Callable[[], Awaitable[ResponseStore]], description: str,
+                 retry_s: float = STORE_RETRY_S) -> None:
+        self._opener, self.description, self.retry_s = opener, description, retry_s
+        self.current: ResponseStore | None = None
+        self._lock = anyio.Lock()
+        self._next_try = -math.inf
+        self._logged: str | None = None
+
+    async def get(self) -> ResponseStore:
+        if self.current is not None:
+            return self.current
+        async with self._lock:
+            if self.current is None:
+                wait = self._next_try - anyio.current_time()
+                if wait > 0:
+                    raise store_unavailable(wait)
+                try:
+                    self.current = await self._opener()
+                except Exception as exc:
+                    self._next_try = anyio.current_time() + self.retry_s
+                    self.failed(exc)
+                    raise store_unavailable(self.retry_s) from None
+                log.info("stored responses: %s%s", self.description, " (available again)" if self._logged else "")
+                self._logged = None
+        return self.current
+
+    @classmethod
+    def of(cls, store: ResponseStore) -> "LazyStore":
+        """One already open (tests, tools)."""
+        async def opener() -> ResponseStore:
+            return store
+
+        lazy = cls(opener, "already open")
+        lazy.current = store
+        return lazy
+
+    def failed(self, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        if reason != self._logged:
+            self._logged = reason
+            log.error("stored responses unavailable (%s): %s; /v1/responses answers 503 until the database is "
+                      "back (retried every %g s); chat and completions are not affected",
+                      self.description, reason, self.retry_s)
+
+    def working(self) -> None:
+        """A use succeeded: after a failure, say so (and log the next failure again)."""
+        if self._logged is not None:
+            self._logged = None
+            log.info("stored responses: %s (available again)", self.description)
+
+    async def close(self) -> None:
+        if self.current is not None:
+            await self.current.close()
+
+
 class ResponsesService:
-    def __init__(self, store: ResponseStore, group: TaskGroup | None = None, poll_s: float = POLL_S):
-        self.store = store
+    def __init__(self, store: ResponseStore | LazyStore, group: TaskGroup | None = None, poll_s: float = POLL_S,
+                 max_chain_bytes: int = 16 * 1024 * 1024):
+        self.stores = LazyStore.of(store) if isinstance(store, ResponseStore) else store
         self.poll_s = poll_s
+        self.max_chain_bytes = max_chain_bytes
         self._group = group
         self.runs: dict[str, ResponseRun] = {}  # background runs of this process, by id
+
+    @property
+    def store(self) -> ResponseStore:
+        """The store if it is open (tests; the service itself awaits `database()`)."""
+        assert self.stores.current is not None, "the store is not open"
+        return self.stores.current
+
+    @contextlib.asynccontextmanager
+    async def database(self) -> AsyncIterator[ResponseStore]:
+        """The store, for one use: opened if need be; unavailable, or failing on the database: a 503."""
+        store = await self.stores.get()
+        try:
+            yield store
+        except DATABASE_ERRORS as exc:
+            self.stores.failed(exc)
+            raise store_unavailable(self.stores.retry_s) from None
+        self.stores.working()
 
     @classmethod
     @contextlib.asynccontextmanager
     async def running(cls, settings: Settings) -> AsyncIterator["ResponsesService"]:
-        """Open the store, purge expired responses hourly, run background responses; close all at the end."""
-        store = await ResponseStore.open(settings.responses_db_url, ttl_days=settings.responses_ttl_days,
-                                         max_bytes=settings.responses_max_bytes)
-        log.info("stored responses: %s (kept %g days)", store_description(settings.responses_db_url),
-                 settings.responses_ttl_days)
+        """Purge expired responses hourly (opening the store, in the background, right away) and run
+        background responses; close all at the end. Nothing here waits for the database."""
+        url = database_url(settings)
+
+        async def opener() -> ResponseStore:
+            return await ResponseStore.open(url, ttl_days=settings.responses_ttl_days,
+                                            max_bytes=settings.responses_max_bytes,
+                                            stale_after_s=settings.responses_stale_after_s)
+
+        stores = LazyStore(opener, f"{store_description(url)}, kept {settings.responses_ttl_days:g} days")
         try:
             async with anyio.create_task_group() as group:
-                service = cls(store, group)
+                service = cls(stores, group, max_chain_bytes=settings.responses_max_chain_bytes)
                 group.start_soon(service._purge_forever)
                 try:
                     yield service
                 finally:
                     group.cancel_scope.cancel()
         finally:
-            await store.close()
+            await stores.close()
 
     async def _purge_forever(self) -> None:
         while True:
             try:
-                purged = await self.store.purge_expired()
+                async with self.database() as store:
+                    purged = await store.purge_expired()
+            except OpenAIError:  # unavailable: logged; tried again at the next round or request
+                pass
             except Exception:  # a database hiccup: try again at the next round
                 log.exception("purging expired responses failed")
             else:
@@ -129,21 +241,25 @@ class ResponsesService:
             await anyio.sleep(PURGE_INTERVAL_S)
 
     # ----- creating a response ----------------------------------------------------------------------------
-    async def prepare(self, req: ResponsesRequest, owner: str) -> tuple[Prepared, ChatCompletionRequest,
-                                                                        list[dict[str, Any]]]:
+    async def prepare(self, req: ResponsesRequest, owner: str, context_length: int | None = None,
+                      ) -> tuple[Prepared, ChatCompletionRequest, list[dict[str, Any]]]:
         """The request ready to run: stored input items, the chat request, and the chat template's messages
-        (the previous responses' items first). 404 for a previous_response_id this owner cannot see."""
-        chain: list[dict[str, Any]] = []
-        if req.previous_response_id is not None:
-            try:
-                found = await self.store.conversation(owner, req.previous_response_id)
-            except ChainTooLong as exc:
-                raise invalid_request(str(exc), "previous_response_id") from None
-            if found is None:
-                raise OpenAIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
-                                  "invalid_request_error", "previous_response_id", "previous_response_not_found")
-            chain = found
+        (the previous responses' items first). 404 for a previous_response_id this owner cannot see; 400
+        for input too large to store, or a chain past max_chain_bytes; 503 if the store is needed and
+        unavailable. With `truncation: auto` and the model's `context_length`, only the newest part of a
+        long chain is read (CHAIN_BYTES_PER_CONTEXT_TOKEN)."""
         items = [stored_item(item) for item in req.items]
+        chain: list[dict[str, Any]] = []
+        if req.store or req.previous_response_id is not None:
+            async with self.database() as store:
+                input_bytes = sum(json_size(item) for item in items)
+                if req.store and input_bytes > store.max_bytes:
+                    raise invalid_request(f"input: {input_bytes} bytes of JSON, too large to store (the limit is "
+                                          f"{store.max_bytes}); send it with store: false", "input")
+                if req.previous_response_id is not None:
+                    chain = await self._chain(store, req, owner, input_bytes, context_length)
+                elif not req.background:  # a foreground response writes only once it has run: is it reachable?
+                    await store.ping()
         if not chain and not items:
             raise invalid_request("input is required (or a previous_response_id to continue)", "input")
         if len(chain) + len(items) > MAX_CONVERSATION_ITEMS:
@@ -153,13 +269,42 @@ class ResponsesService:
         prepared = Prepared(req, new_id("resp"), now(), owner, items, request_echo(req))
         return prepared, chat_request(req, messages), messages
 
+    async def _chain(self, store: ResponseStore, req: ResponsesRequest, owner: str, input_bytes: int,
+                     context_length: int | None) -> list[dict[str, Any]]:
+        previous = req.previous_response_id
+        assert previous is not None
+        chain_bytes = await store.chain_bytes(owner, previous)
+        found = None
+        if chain_bytes is not None:
+            if chain_bytes + input_bytes > self.max_chain_bytes:
+                raise invalid_request(f"the previous_response_id chain holds {chain_bytes} bytes of items; with this "
+                                      f"input it would pass this server's limit of {self.max_chain_bytes}: start "
+                                      "a new conversation (or send the history you need as input)",
+                                      "previous_response_id", "chain_too_large")
+            budget = (context_length * CHAIN_BYTES_PER_CONTEXT_TOKEN
+                      if req.truncation == "auto" and context_length else None)
+            try:
+                found = await store.conversation(owner, previous, max_bytes=budget)
+            except ChainTooLong as exc:
+                raise invalid_request(str(exc), "previous_response_id") from None
+        if found is None:
+            raise OpenAIError(404, f"Previous response with id '{previous[:128]}' not found.",
+                              "invalid_request_error", "previous_response_id", "previous_response_not_found")
+        return found
+
     def run(self, prepared: Prepared, model: str, strings: TokenStrings | None) -> ResponseRun:
-        return ResponseRun(prepared, model, self.store, strings)
+        """The run of a prepared request; its store is the open one if it needs it (prepare opened it)."""
+        return ResponseRun(prepared, model, self.stores.current, strings)  # type: ignore[arg-type]
+
 
     async def save_final(self, run: ResponseRun) -> None:
         """A foreground run's one write (when stored), before its last event or its body is sent."""
         if run.prepared.request.store:
-            await run.create_final()
+            try:
+                await run.create_final()
+            except DATABASE_ERRORS as exc:  # the answer is sent all the same; it is not stored
+                self.stores.failed(exc)
+                log.error("response %s was not stored: the database failed", run.id)
 
     async def start_background(self, run: ResponseRun, start: Callable[[], Awaitable[Generation]],
                                release: Callable[[], None]) -> None:
@@ -172,9 +317,14 @@ class ResponsesService:
         except ResponseTooLarge as exc:
             release()
             raise invalid_request(f"input: too large to store ({exc})", "input") from None
+        except DATABASE_ERRORS as exc:
+            release()
+            self.stores.failed(exc)
+            raise store_unavailable(self.stores.retry_s) from None
         except BaseException:
             release()
             raise
+        log.info("background response %s runs in this process", run.id)  # the pid is in every log line
         self.runs[run.id] = run
         self._group.start_soon(self._background, run, start, release)
 
@@ -219,22 +369,30 @@ class ResponsesService:
                 self.runs.pop(run.id, None)
 
     async def _watch(self, run: ResponseRun) -> bool:
-        """Until a cancel is requested (True): poll for it, and save the stream's new events each time."""
+        """Until a cancel is requested (True): poll for it, and each time save the stream's new events (which
+        refreshes the heartbeat), or else refresh the heartbeat when a third of the stale window has passed."""
         saved = len(run.events)
+        beat_s = run.store.stale_after_s / 3
+        last_beat = anyio.current_time()
         while True:
             await anyio.sleep(self.poll_s)
             try:
-                if await self.store.cancel_requested(run.id):
+                if await run.store.cancel_requested(run.id):
                     return True
                 if run.keep_events and len(run.events) > saved and not run.done:
                     saved = len(run.events)
                     await run.update()
+                    last_beat = anyio.current_time()
+                elif anyio.current_time() - last_beat >= beat_s:
+                    await run.store.heartbeat(run.id)
+                    last_beat = anyio.current_time()
             except Exception:  # the database: the run goes on, and the next poll tries again
                 log.exception("response %s: polling the store failed", run.id)
 
     # ----- stored responses -------------------------------------------------------------------------------
     async def get(self, owner: str, response_id: str) -> dict[str, Any]:
-        record = await self.store.get(owner, response_id)
+        async with self.database() as store:
+            record = await store.get(owner, response_id)
         if record is None:
             raise not_found(response_id)
         return record.response
@@ -242,61 +400,87 @@ class ResponsesService:
     async def follow(self, owner: str, response_id: str, starting_after: int | None) -> AsyncIterator[Event]:
         """A stored stream's events past `starting_after`: replayed, then followed while the response runs
         (here, or in another process through the store). 400 if it was not created with stream=true."""
-        record = await self.store.get(owner, response_id)
+        after = -1 if starting_after is None else starting_after
+        async with self.database() as store:
+            record = await store.get(owner, response_id, events_after=after, items=False)
         if record is None:
             raise not_found(response_id)
         if record.events is None:
             raise invalid_request("this response was not created with stream=true: it has no stream to replay",
                                   "stream")
-        return self._follow(owner, response_id, -1 if starting_after is None else starting_after, record.events,
-                            record.status)
+        return self._follow(store, owner, response_id, after, record)
 
-    async def _follow(self, owner: str, response_id: str, after: int, stored: list[Event],
-                      status: str) -> AsyncIterator[Event]:
+    async def _follow(self, store: ResponseStore, owner: str, response_id: str, after: int,
+                      record: StoredResponse) -> AsyncIterator[Event]:
+        """Each poll reads only the events past the last one sent. A stream whose events were dropped as too
+        large while it ran (another process's run) ends with a terminal event made from the stored response."""
         while True:
             local = self.runs.get(response_id)
             if local is not None:  # running here: its events as they come
                 async for event in local.follow(after):
                     yield event
                 return
-            for event in stored[after + 1:]:
+            for event in record.events or []:
                 after = event["sequence_number"]
                 yield event
-            if status in TERMINAL_STATUSES:
+            if record.status in TERMINAL_STATUSES:
+                if record.events is None and record.status != "cancelled":
+                    yield events.numbered(events.response_event(record.status, record.response), after + 1)
                 return
             await anyio.sleep(self.poll_s)
-            record = await self.store.get(owner, response_id)
-            if record is None:
+            try:
+                found = await store.get(owner, response_id, events_after=after, items=False)
+            except DATABASE_ERRORS as exc:
+                self.stores.failed(exc)
                 return
-            stored, status = record.events or [], record.status
+            if found is None:
+                return
+            record = found
 
     async def input_items(self, owner: str, response_id: str, after: str | None, limit: int,
                           order: str) -> dict[str, Any]:
-        page = await self.store.input_items(owner, response_id, after=after, limit=limit, order=order)
+        async with self.database() as store:
+            page = await store.input_items(owner, response_id, after=after, limit=limit, order=order)
         if page is None:
             raise not_found(response_id)
         return item_list(*page)
 
     async def delete(self, owner: str, response_id: str) -> dict[str, Any]:
-        if not await self.store.delete(owner, response_id):
+        async with self.database() as store:
+            deleted = await store.delete(owner, response_id)
+        if not deleted:
             raise not_found(response_id)
         return deleted_object(response_id)
 
     async def cancel(self, owner: str, response_id: str) -> dict[str, Any]:
         """Cancel a background response (idempotent); its run, wherever it is, stops at its next poll."""
-        record = await self.store.get(owner, response_id)
-        if record is None:
-            raise not_found(response_id)
-        if not record.response.get("background"):
-            raise invalid_request("only background responses can be cancelled", "response_id")
-        if record.status in ("completed", "incomplete", "failed"):
-            raise invalid_request(f"cannot cancel a response whose status is {record.status}", "response_id")
-        cancelled = await self.store.request_cancel(owner, response_id)
+        async with self.database() as store:
+            record = await store.get(owner, response_id, items=False)
+            if record is None:
+                raise not_found(response_id)
+            if not record.response.get("background"):
+                raise invalid_request("only background responses can be cancelled", "response_id")
+            if record.status in ("completed", "incomplete", "failed"):
+                raise invalid_request(f"cannot cancel a response whose status is {record.status}", "response_id")
+            cancelled = await store.request_cancel(owner, response_id)
         if cancelled is None:
             raise not_found(response_id)
         return cancelled.response
 
 
-def store_description(url: str) -> str:
+def database_url(settings: Settings) -> URL:
+    """RESPONSES_DB_URL with the password from RESPONSES_DB_PASSWORD_FILE or RESPONSES_DB_PASSWORD when one
+    is set (so a Kubernetes or compose secret holds it, not the manifest). Read once per process start."""
+    url = make_url(settings.responses_db_url)
+    if settings.responses_db_password_file is not None:
+        password = settings.responses_db_password_file.read_text(encoding="utf-8").strip()
+    elif settings.responses_db_password is not None:
+        password = settings.responses_db_password.get_secret_value()
+    else:
+        return url
+    return url.set(password=password)
+
+
+def store_description(url: str | URL) -> str:
     """The database's URL without its password, for the log."""
     return make_url(url).render_as_string(hide_password=True)

@@ -21,11 +21,25 @@ Retention. A response is visible while `created_at > now - ttl`: expiry takes ef
 query, and `purge_expired()` (which the app calls periodically) reclaims the rows. A stored response may
 not exceed `max_bytes` of JSON (response + input items + events, UTF-8): over it, `ResponseTooLarge`.
 
+Stream events are rows of their own, `(response_id, seq)`, appended as a run makes them: a background run
+writes only its new events each poll, and a follower in another process reads only `seq > after` (one
+JSON column rewritten whole every poll was O(n^2) bytes per run). A v1 row's events stay in its `events`
+column (a JSON array); new rows keep `'[]'` there, which says "a stream is kept" (NULL: none is).
+
+Dead runs. A running (queued, in_progress) response's process refreshes `heartbeat_at_ms` (`heartbeat`,
+and every `update`). If that process dies (kill -9, the OOM killer: nothing marks the row), the heartbeat
+goes stale; a reader that finds it older than `stale_after_s` turns the row `failed` with one conditional
+UPDATE (still running, still stale), so GET and stream followers end instead of polling for 30 days.
+
+Chains. `chain_bytes` is a response's input and output items' JSON bytes plus its previous response's
+`chain_bytes`, so the size of a whole previous_response_id chain is one row's column: the API refuses
+past a bound before loading anything, and `conversation(max_bytes=...)` reads newest first and stops.
+
 Migrations: a small versioned schema table (`stored_responses_schema`) and an ordered list of DDL steps in
-this module, applied under a lock at `open()`, rather than Alembic. The schema is three tables owned by
+this module, applied under a lock at `open()`, rather than Alembic. The schema is four tables owned by
 this one module; Alembic would add a dependency, a migrations directory and an env.py to ship and run
-programmatically, to buy autogeneration and downgrades that three tables do not need. The lock makes
-concurrent opens safe (every worker opens the store at start): `pg_advisory_xact_lock` on PostgreSQL,
+programmatically, to buy autogeneration and downgrades that four tables do not need. The lock makes
+concurrent opens safe (every worker opens the store, at start or at first use): `pg_advisory_xact_lock` on PostgreSQL,
 `BEGIN IMMEDIATE` on SQLite; both dialects run DDL inside the transaction, so a step applies wholly or
 not at all. A database migrated by a newer frontend (a higher version than this module knows) is refused
 rather than used with a schema this code does not understand.
@@ -41,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -48,10 +63,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sqlalchemy import (BigInteger, Boolean, Column, Integer, MetaData, Table, Text, and_, case, delete,
-                        event, exists, insert, select, text, update)
+                        event, exists, func, insert, select, text, update)
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+log = logging.getLogger("frontend")
 
 STATUSES = frozenset({"queued", "in_progress", "completed", "incomplete", "failed", "cancelled"})
 CANCELLABLE = ("queued", "in_progress")  # request_cancel turns these into "cancelled"
@@ -60,13 +77,19 @@ CANCELLABLE = ("queued", "in_progress")  # request_cancel turns these into "canc
 # its items all go to the model in one prompt, which no context window holds at this length anyway.
 MAX_CHAIN_LENGTH = 1000
 
+POSTGRES_CONNECT_TIMEOUT_S = 5.0  # a server that does not answer: the request gets a 503 after this, not a hang
 SQLITE_BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another process's write lock before failing
 SCHEMA_LOCK_KEY = 0x7265_7370  # "resp": the PostgreSQL advisory lock held while migrating
 _FOREVER = -(2**62)  # the expiry cutoff when ttl_days is infinite (fits a BIGINT)
+_NO_LIMIT = 2**62  # conversation()'s byte budget when there is none
 
 
 class ResponseTooLarge(ValueError):
     """A stored response (response + input items + events, as JSON) would exceed the store's max_bytes."""
+
+
+STALE_ERROR = {"code": "server_error",
+               "message": "the server process running this response stopped before it was complete"}
 
 
 class ChainTooLong(ValueError):
@@ -104,6 +127,9 @@ responses_table = Table(
     Column("input_bytes", BigInteger, nullable=False),
     Column("response_bytes", BigInteger, nullable=False),
     Column("events_bytes", BigInteger, nullable=False),
+    # Migration 2:
+    Column("heartbeat_at_ms", BigInteger),  # unix ms of the running process's last sign of life
+    Column("chain_bytes", BigInteger, nullable=False),  # this response's items + its ancestors' (docstring)
 )
 input_items_table = Table(
     "stored_response_input_items", _metadata,
@@ -111,6 +137,12 @@ input_items_table = Table(
     Column("seq", Integer, primary_key=True),  # the item's place in the turn's input, from 0
     Column("item_id", Text),
     Column("item", Text, nullable=False),
+)
+events_table = Table(
+    "stored_response_events", _metadata,
+    Column("response_id", Text, primary_key=True),
+    Column("seq", Integer, primary_key=True),  # the event's sequence_number
+    Column("event", Text, nullable=False),
 )
 
 # Each step takes the schema from version i to i + 1. Append; never edit a step that has shipped.
@@ -140,20 +172,32 @@ MIGRATIONS: list[list[str]] = [
         )""",
         "CREATE INDEX stored_response_input_items_item_id ON stored_response_input_items (response_id, item_id)",
     ],
+    [  # 2: heartbeats of running responses, chain sizes, append-only stream events (module docstring)
+        "ALTER TABLE stored_responses ADD COLUMN heartbeat_at_ms BIGINT",
+        "ALTER TABLE stored_responses ADD COLUMN chain_bytes BIGINT NOT NULL DEFAULT 0",
+        """CREATE TABLE stored_response_events (
+            response_id TEXT NOT NULL REFERENCES stored_responses (id) ON DELETE CASCADE,
+            seq INTEGER NOT NULL,
+            event TEXT NOT NULL,
+            PRIMARY KEY (response_id, seq)
+        )""",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 # Every item of a chain in one statement (one snapshot, one round trip): the responses from `id` back
-# through previous_response_id, each with its depth (0 = `id`), bounded by :max_depth; then, oldest first,
-# each one's input items (part 0, in order) and its output items (part 1, one JSON array).
+# through previous_response_id, each with its depth (0 = `id`), bounded by :max_depth and by :budget (an
+# older response is read only while the newer ones hold fewer than :budget bytes, from chain_bytes); then,
+# oldest first, each one's input items (part 0, in order) and its output items (part 1, one JSON array).
 _CHAIN_SQL = text("""
-WITH RECURSIVE chain (id, prev, depth, output_items) AS (
-    SELECT id, previous_response_id, 0, output_items FROM stored_responses
+WITH RECURSIVE chain (id, prev, depth, output_items, top) AS (
+    SELECT id, previous_response_id, 0, output_items, chain_bytes FROM stored_responses
      WHERE id = :id AND owner = :owner AND created_at > :cutoff
     UNION ALL
-    SELECT r.id, r.previous_response_id, c.depth + 1, r.output_items
+    SELECT r.id, r.previous_response_id, c.depth + 1, r.output_items, c.top
       FROM stored_responses r JOIN chain c ON r.id = c.prev
      WHERE r.owner = :owner AND r.created_at > :cutoff AND c.depth < :max_depth
+       AND c.top - r.chain_bytes < :budget
 )
 SELECT depth, 1 AS part, 0 AS seq, prev, output_items AS body FROM chain
 UNION ALL
@@ -163,7 +207,7 @@ ORDER BY depth DESC, part, seq
 """)
 
 
-def normalize_url(url: str) -> URL:
+def normalize_url(url: str | URL) -> URL:
     """The async-driver URL for a configured one: sqlite[+aiosqlite]:///path, postgres[ql][+asyncpg]://…"""
     parsed = make_url(url)
     backend, _, driver = parsed.drivername.partition("+")
@@ -196,35 +240,41 @@ class ResponseStore:
     """The stored responses of one database; one instance per process, safe to share between tasks."""
 
     def __init__(self, engine: AsyncEngine, *, ttl_days: float, max_bytes: int,
-                 clock: Callable[[], float], max_chain_length: int) -> None:
+                 clock: Callable[[], float], max_chain_length: int, stale_after_s: float) -> None:
         self._engine = engine
         self.ttl_seconds = ttl_days * 86400.0
         self.max_bytes = max_bytes
         self.max_chain_length = max_chain_length
+        self.stale_after_s = stale_after_s
         self._clock = clock
 
     @classmethod
-    async def open(cls, url: str, *, ttl_days: float = 30.0, max_bytes: int = 4 * 1024 * 1024,
-                   clock: Callable[[], float] = time.time,
-                   max_chain_length: int = MAX_CHAIN_LENGTH) -> "ResponseStore":
+    async def open(cls, url: str | URL, *, ttl_days: float = 30.0, max_bytes: int = 4 * 1024 * 1024,
+                   clock: Callable[[], float] = time.time, max_chain_length: int = MAX_CHAIN_LENGTH,
+                   stale_after_s: float = 30.0) -> "ResponseStore":
         """Connect and create or migrate the schema. `ttl_days` may be math.inf (keep until deleted);
-        `clock` (unix seconds) is for tests."""
+        `clock` (unix seconds) is for tests; a running response whose heartbeat is older than
+        `stale_after_s` reads as failed."""
         if not ttl_days > 0:
             raise ValueError(f"ttl_days must be positive (math.inf keeps responses until deleted), got {ttl_days}")
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if max_chain_length < 1:
             raise ValueError(f"max_chain_length must be positive, got {max_chain_length}")
+        if not stale_after_s > 0:
+            raise ValueError(f"stale_after_s must be positive, got {stale_after_s}")
         async_url = normalize_url(url)
         if async_url.get_backend_name() == "sqlite":
             Path(async_url.database).parent.mkdir(parents=True, exist_ok=True)
             engine = create_async_engine(async_url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
             event.listen(engine.sync_engine, "connect", _sqlite_on_connect)
         else:
-            # pre_ping: a connection the server (or a failover) dropped while pooled is replaced, not used.
-            engine = create_async_engine(async_url, pool_pre_ping=True)
+            # pre_ping: a connection the server (or a failover) dropped while pooled is replaced, not used;
+            # the connect timeout bounds how long a request waits on a server that does not answer.
+            engine = create_async_engine(async_url, pool_pre_ping=True,
+                                         connect_args={"timeout": POSTGRES_CONNECT_TIMEOUT_S})
         store = cls(engine, ttl_days=ttl_days, max_bytes=max_bytes, clock=clock,
-                    max_chain_length=max_chain_length)
+                    max_chain_length=max_chain_length, stale_after_s=stale_after_s)
         try:
             if async_url.get_backend_name() == "sqlite":
                 await _use_write_ahead_log(engine)
@@ -236,6 +286,11 @@ class ResponseStore:
 
     async def close(self) -> None:
         await self._engine.dispose()
+
+    async def ping(self) -> None:
+        """One round trip; raises what the database raises when it cannot be reached."""
+        async with self._engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
 
     async def _migrate(self) -> None:
         """Apply the steps past the database's version, one transaction under a lock (see the docstring)."""
@@ -280,40 +335,65 @@ class ResponseStore:
             return _FOREVER
         return math.floor(self._clock() - self.ttl_seconds)
 
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
     def _visible(self, owner: str, response_id: str) -> Any:
         """The WHERE clause of every owner-scoped statement: this id, this owner, not expired."""
         t = responses_table
         return and_(t.c.id == response_id, t.c.owner == owner, t.c.created_at > self._cutoff())
+
+    def _stale(self) -> Any:
+        """Running, and its process silent for longer than stale_after_s (a v1 row: since its creation)."""
+        t = responses_table
+        last_seen = func.coalesce(t.c.heartbeat_at_ms, t.c.created_at * 1000)
+        return and_(t.c.status.in_(CANCELLABLE), last_seen < self._now_ms() - int(self.stale_after_s * 1000))
 
     # ----- writes -----
 
     async def create(self, record: StoredResponse) -> None:
         """Store a new response. ValueError for an id already stored, ResponseTooLarge over the cap."""
         _check_status(record.status)
+        t = responses_table
         response_json, response_bytes = _dumps(record.response)
-        output_json, _ = _dumps(record.output_items)
+        output_json, output_bytes = _dumps(record.output_items)
         items = [_dumps(item) for item in record.input_items]
         input_bytes = sum(size for _, size in items)
-        events_json, events_bytes = _dumps(record.events) if record.events is not None else (None, 0)
+        events = [_dumps(e) for e in record.events or []]
+        events_bytes = sum(size for _, size in events)
         self._check_size(record.id, input_bytes + response_bytes + events_bytes)
+        previous_bytes = select(t.c.chain_bytes).where(t.c.id == record.previous_response_id).scalar_subquery()
         try:
             async with self._engine.begin() as conn:
-                await conn.execute(insert(responses_table).values(
+                await conn.execute(insert(t).values(
                     id=record.id, owner=record.owner, status=record.status,
                     previous_response_id=record.previous_response_id, created_at=int(record.created_at),
                     cancel_requested=record.cancel_requested, response=response_json,
-                    output_items=output_json, events=events_json, input_bytes=input_bytes,
-                    response_bytes=response_bytes, events_bytes=events_bytes))
+                    output_items=output_json, events=None if record.events is None else "[]",
+                    input_bytes=input_bytes, response_bytes=response_bytes, events_bytes=events_bytes,
+                    heartbeat_at_ms=self._now_ms(),
+                    chain_bytes=func.coalesce(previous_bytes, 0) + input_bytes + output_bytes))
                 if items:
                     await conn.execute(insert(input_items_table), [
                         {"response_id": record.id, "seq": seq, "item_id": _item_id(item), "item": dumped}
                         for seq, (item, (dumped, _)) in enumerate(zip(record.input_items, items))])
+                await self._append_events(conn, record.id, record.events or [], events)
         except IntegrityError as exc:
             raise ValueError(f"response {record.id} is already stored") from exc
 
+    @staticmethod
+    async def _append_events(conn: AsyncConnection, response_id: str, new: list[dict],
+                             dumped: list[tuple[str, int]]) -> None:
+        if new:
+            await conn.execute(insert(events_table), [
+                {"response_id": response_id, "seq": int(e["sequence_number"]), "event": json_text}
+                for e, (json_text, _) in zip(new, dumped)])
+
     async def update(self, owner: str, response_id: str, *, status: str, response: dict,
-                     output_items: list[dict], events: list[dict] | None = None) -> bool:
-        """Replace the response, its output items and (unless None) its events; False if it is not visible.
+                     output_items: list[dict], new_events: list[dict] | None = None,
+                     drop_events: bool = False) -> bool:
+        """Replace the response and its output items, append `new_events` to its stream (or, with
+        `drop_events`, keep no stream any more); False if it is not visible. Refreshes the heartbeat.
 
         Never un-cancels: once cancelled, the status stays "cancelled" whatever `status` says (the content
         is still replaced, so the partial output at the cancel is kept). ResponseTooLarge over the cap.
@@ -322,18 +402,26 @@ class ResponseStore:
         t = responses_table
         response_json, response_bytes = _dumps(response)
         output_json, _ = _dumps(output_items)
+        events = [_dumps(e) for e in new_events or []]
         values: dict[str, Any] = {
             "status": case((t.c.status == "cancelled", "cancelled"), else_=status),
-            "response": response_json, "response_bytes": response_bytes, "output_items": output_json}
-        if events is None:
-            new_size = t.c.input_bytes + t.c.events_bytes + response_bytes
+            "response": response_json, "response_bytes": response_bytes, "output_items": output_json,
+            "heartbeat_at_ms": self._now_ms()}
+        if drop_events:
+            values["events"], values["events_bytes"] = None, 0
+            new_size = t.c.input_bytes + response_bytes
         else:
-            values["events"], values["events_bytes"] = _dumps(events)
+            if events:  # a stream is kept from now on (module docstring), if it was not already
+                values["events"] = func.coalesce(t.c.events, "[]")
+            values["events_bytes"] = t.c.events_bytes + sum(size for _, size in events)
             new_size = t.c.input_bytes + values["events_bytes"] + response_bytes
         visible = self._visible(owner, response_id)
         async with self._engine.begin() as conn:
             result = await conn.execute(update(t).where(visible, new_size <= self.max_bytes).values(**values))
             if result.rowcount:
+                if drop_events:
+                    await conn.execute(delete(events_table).where(events_table.c.response_id == response_id))
+                await self._append_events(conn, response_id, new_events or [], events)
                 return True
             # Not updated: over the cap, or not visible (the size is only read for the caller's own row).
             size = (await conn.execute(select(new_size).where(visible))).scalar()
@@ -342,13 +430,45 @@ class ResponseStore:
         self._check_size(response_id, size)
         return False  # unreachable unless the row changed in between; then it is as if it were gone
 
+    async def heartbeat(self, response_id: str) -> None:
+        """The running process is alive (module docstring: dead runs); only while the response runs."""
+        t = responses_table
+        async with self._engine.begin() as conn:
+            await conn.execute(update(t).where(t.c.id == response_id, t.c.status.in_(CANCELLABLE))
+                               .values(heartbeat_at_ms=self._now_ms()))
+
+    async def _fail_if_stale(self, owner: str, response_id: str) -> None:
+        """One conditional UPDATE: failed, if it still runs and its heartbeat is still stale; then, in the
+        same transaction, its kept stream gets the `response.failed` event its run never wrote, so that
+        followers and replays end as a failed stream does. Its own transaction, after the read that saw it
+        stale (SQLite cannot upgrade a read lock; module docstring)."""
+        t, e = responses_table, events_table
+        async with self._engine.begin() as conn:
+            result = await conn.execute(update(t).where(
+                self._visible(owner, response_id), self._stale()).values(status="failed"))
+            if not result.rowcount:
+                return
+            row = (await conn.execute(select(t.c.response, t.c.events).where(t.c.id == response_id))).one()
+            if row.events is not None:
+                last = (await conn.execute(select(func.max(e.c.seq)).where(e.c.response_id == response_id))).scalar()
+                seq = max([-1 if last is None else last] + [ev["sequence_number"] for ev in json.loads(row.events)]) + 1
+                response = {**json.loads(row.response), "status": "failed", "error": dict(STALE_ERROR)}
+                failed = {"type": "response.failed", "response": response, "sequence_number": seq}
+                dumped = _dumps(failed)
+                await self._append_events(conn, response_id, [failed], [dumped])
+                await conn.execute(update(t).where(t.c.id == response_id)
+                                   .values(events_bytes=t.c.events_bytes + dumped[1]))
+        log.warning("response %s: the process running it has not been heard from for %g s: failed",
+                    response_id, self.stale_after_s)
+
     async def delete(self, owner: str, response_id: str) -> bool:
-        """Delete the response and its input items; False if it is not visible."""
+        """Delete the response, its input items and its events; False if it is not visible."""
         async with self._engine.begin() as conn:
             deleted = await conn.execute(delete(responses_table).where(self._visible(owner, response_id)))
             if not deleted.rowcount:
                 return False
-            await conn.execute(delete(input_items_table).where(input_items_table.c.response_id == response_id))
+            for child in (input_items_table, events_table):
+                await conn.execute(delete(child).where(child.c.response_id == response_id))
         return True
 
     async def request_cancel(self, owner: str, response_id: str) -> StoredResponse | None:
@@ -367,34 +487,57 @@ class ResponseStore:
         return await self.get(owner, response_id)
 
     async def purge_expired(self) -> int:
-        """Delete every expired response and its input items; returns how many responses went."""
+        """Delete every expired response, its input items and events; returns how many responses went."""
         cutoff = self._cutoff()
         t = responses_table
         async with self._engine.begin() as conn:
-            await conn.execute(delete(input_items_table).where(
-                input_items_table.c.response_id.in_(select(t.c.id).where(t.c.created_at <= cutoff))))
+            for child in (input_items_table, events_table):
+                await conn.execute(delete(child).where(
+                    child.c.response_id.in_(select(t.c.id).where(t.c.created_at <= cutoff))))
             result = await conn.execute(delete(t).where(t.c.created_at <= cutoff))
         return result.rowcount
 
     # ----- reads -----
 
-    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
+    async def get(self, owner: str, response_id: str, *, events_after: int = -1,
+                  items: bool = True) -> StoredResponse | None:
+        """The stored response, its input items (unless not `items`: a follower polling needs none) and its
+        stream's events numbered past `events_after` (all by default; a follower asks only for the new).
+        A running one whose process is gone (stale heartbeat) is made failed first, so the caller sees it
+        end."""
+        found = await self._read(owner, response_id, events_after, items)
+        if found is not None and found[1]:
+            await self._fail_if_stale(owner, response_id)
+            found = await self._read(owner, response_id, events_after, items)
+        return found[0] if found is not None else None
+
+    async def _read(self, owner: str, response_id: str, after: int,
+                    with_items: bool) -> tuple[StoredResponse, bool] | None:
         t = responses_table
         async with self._engine.connect() as conn:
-            row = (await conn.execute(select(t).where(self._visible(owner, response_id)))).first()
+            row = (await conn.execute(select(t, self._stale().label("stale"))
+                                      .where(self._visible(owner, response_id)))).first()
             if row is None:
                 return None
             items = (await conn.execute(
                 select(input_items_table.c.item).where(input_items_table.c.response_id == response_id)
-                .order_by(input_items_table.c.seq))).scalars().all()
+                .order_by(input_items_table.c.seq))).scalars().all() if with_items else []
+            events = None
+            if row.events is not None:  # a stream is kept: a v1 row's in its column, the others' as rows
+                e = events_table
+                events = [event for event in json.loads(row.events) if event["sequence_number"] > after]
+                events += [json.loads(event) for event in (await conn.execute(
+                    select(e.c.event).where(e.c.response_id == response_id, e.c.seq > after)
+                    .order_by(e.c.seq))).scalars().all()]
         response = json.loads(row.response)
+        if row.status == "failed" and response.get("status") in CANCELLABLE:  # found dead, not failed by its run
+            response["error"] = dict(STALE_ERROR)
         response["status"] = row.status  # the column is authoritative (a cancel does not rewrite the JSON)
         return StoredResponse(
             id=row.id, owner=row.owner, status=row.status, response=response,
             input_items=[json.loads(item) for item in items], output_items=json.loads(row.output_items),
-            previous_response_id=row.previous_response_id, created_at=row.created_at,
-            events=json.loads(row.events) if row.events is not None else None,
-            cancel_requested=bool(row.cancel_requested))
+            previous_response_id=row.previous_response_id, created_at=row.created_at, events=events,
+            cancel_requested=bool(row.cancel_requested)), bool(row.stale)
 
     async def input_items(self, owner: str, response_id: str, *, after: str | None = None, limit: int = 20,
                           order: str = "desc") -> tuple[list[dict], bool] | None:
@@ -433,34 +576,60 @@ class ResponseStore:
             flag = (await conn.execute(select(t.c.cancel_requested).where(t.c.id == response_id))).scalar()
         return flag is None or bool(flag)
 
-    async def conversation(self, owner: str, response_id: str) -> list[dict] | None:
+    async def chain_bytes(self, owner: str, response_id: str) -> int | None:
+        """The JSON bytes of the items of the chain ending at response_id (one row read: the module
+        docstring); None if it is not visible."""
+        t = responses_table
+        async with self._engine.connect() as conn:
+            return (await conn.execute(select(t.c.chain_bytes).where(self._visible(owner, response_id)))).scalar()
+
+    async def conversation(self, owner: str, response_id: str, *, max_bytes: int | None = None) -> list[dict] | None:
         """Every item of the chain ending at response_id, oldest first: for each response (following
         previous_response_id), its input items then its output items. None if it or any ancestor is not
-        visible (another owner's, deleted, expired); ChainTooLong past max_chain_length responses."""
+        visible (another owner's, deleted, expired); ChainTooLong past max_chain_length responses.
+
+        With `max_bytes` (truncation: auto), older responses are read only while the newer ones hold fewer
+        bytes than that, and the items then start at the first user message left (a turn's start: no call
+        without its assistant turn); ancestors past that point are not read, so not checked either."""
         async with self._engine.connect() as conn:
             rows = (await conn.execute(_CHAIN_SQL, {
                 "id": response_id, "owner": owner, "cutoff": self._cutoff(),
-                "max_depth": self.max_chain_length})).all()
-        chain = [row for row in rows if row.part == 1]  # one per response, oldest (deepest) first
-        if not chain:
-            return None
-        if chain[0].depth >= self.max_chain_length:
-            raise ChainTooLong(f"the previous_response_id chain of {response_id} is longer than "
-                               f"{self.max_chain_length} responses")
-        if chain[0].prev is not None:
-            return None  # the oldest response found has an ancestor that is not visible
+                "max_depth": self.max_chain_length, "budget": _NO_LIMIT if max_bytes is None else max_bytes,
+            })).all()
+            chain = [row for row in rows if row.part == 1]  # one per response, oldest (deepest) first
+            if not chain:
+                return None
+            if chain[0].depth >= self.max_chain_length:
+                raise ChainTooLong(f"the previous_response_id chain of {response_id} is longer than "
+                                   f"{self.max_chain_length} responses")
+            truncated = False
+            if chain[0].prev is not None:  # the oldest response read has an ancestor: too far, or not visible
+                if max_bytes is None or not (await conn.execute(
+                        select(exists().where(self._visible(owner, chain[0].prev))))).scalar():
+                    return None
+                truncated = True
         conversation: list[dict] = []
         for row in rows:
             if row.part == 0:
                 conversation.append(json.loads(row.body))
             else:
                 conversation.extend(json.loads(row.body))
+        if truncated:
+            start = next((i for i, item in enumerate(conversation)
+                          if item.get("type", "message") == "message" and item.get("role") == "user"),
+                         len(conversation))
+            conversation = conversation[start:]
         return conversation
 
     def _check_size(self, response_id: str, size: int) -> None:
         if size > self.max_bytes:
             raise ResponseTooLarge(f"response {response_id} would store {size} bytes of JSON (response, input "
                                    f"items and events), over the {self.max_bytes}-byte cap per stored response")
+
+
+def json_size(value: Any) -> int:
+    """The bytes `value` counts towards the size cap."""
+    return _dumps(value)[1]
 
 
 def _check_status(status: str) -> None:

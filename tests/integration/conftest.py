@@ -110,8 +110,10 @@ def set_parameter(model_dir: Path, key: str, value: str) -> None:
 
 
 def start_frontend(triton_grpc_url: str, port: int, log_file: Path, **env: str) -> subprocess.Popen:
-    environment = {**os.environ, "FRONTEND_HOST": "127.0.0.1", "FRONTEND_PORT": str(port),
-                   "TRITON_GRPC_URL": triton_grpc_url, **env}
+    # Stored responses next to the log unless the test (or the environment) names a database: never a file
+    # shared with another test session.
+    environment = {"RESPONSES_DB_URL": f"sqlite:///{log_file.parent / 'responses.sqlite3'}", **os.environ,
+                   "FRONTEND_HOST": "127.0.0.1", "FRONTEND_PORT": str(port), "TRITON_GRPC_URL": triton_grpc_url, **env}
     return subprocess.Popen([sys.executable, "-m", "frontend"], env=environment, cwd=REPO_ROOT,
                             stdout=log_file.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -16,7 +16,9 @@ from frontend.generation.serving import TextDelta, UsageCounter
 from frontend.openai.errors import OpenAIError
 from frontend.responses.request import ResponsesRequest
 from frontend.responses.run import ResponseRun
-from frontend.responses.service import ResponsesService
+from frontend.responses.service import LazyStore, ResponsesService, database_url, store_description
+from frontend.settings import Settings
+from tests.conftest import PostgreSQLServer
 from frontend.responses.store import ResponseStore
 
 class ScriptedGeneration:
@@ -199,3 +201,182 @@ async def test_another_owner_gets_404s_and_a_chain_starts_with_the_previous_item
         assert [(m["role"], m["content"]) for m in messages] == [("user", "hi"), ("assistant", "answer"),
                                                                  ("user", "next")]
         assert (await service.delete("alice", run.id))["deleted"] is True
+
+
+# ----- the store unavailable; limits on what is stored (issue 50) -------------------------------------------
+
+async def test_an_unavailable_store_is_a_503_with_retry_after_until_it_opens(tmp_path: Path) -> None:
+    """The database cannot be opened (its folder is a file here): every call needing it is a 503 with
+    Retry-After, one open attempt per retry period; once it can be opened, the next call after that opens it."""
+    blocker = tmp_path / "db"
+    blocker.write_text("not a folder")
+    attempts = 0
+
+    async def opener() -> ResponseStore:
+        nonlocal attempts
+        attempts += 1
+        return await ResponseStore.open(f"sqlite:///{blocker / 'r.sqlite3'}")
+
+    stores = LazyStore(opener, "test", retry_s=0.2)
+    service = ResponsesService(stores)
+    try:
+        for call in (lambda: service.get("alice", "resp_x"), lambda: new_run(service),
+                     lambda: service.input_items("alice", "resp_x", None, 20, "desc")):
+            with pytest.raises(OpenAIError) as refused:
+                await call()
+            assert refused.value.status == 503 and int(refused.value.headers["Retry-After"]) >= 1
+        assert attempts == 1  # the later calls, within the retry period, did not try again
+        run, _ = await new_run(service, store=False)  # a response that stores nothing needs no store
+        blocker.unlink()
+        with anyio.fail_after(10):
+            while True:
+                try:
+                    await service.get("alice", "resp_x")
+                except OpenAIError as exc:
+                    if exc.status == 404:
+                        break
+                    assert exc.status == 503
+                await anyio.sleep(0.05)
+        assert stores.current is not None and attempts >= 2
+    finally:
+        await stores.close()
+
+
+async def test_input_too_large_to_store_is_refused_before_it_runs(tmp_path: Path) -> None:
+    store = await ResponseStore.open(f"sqlite:///{tmp_path / 'r.sqlite3'}", max_bytes=2000)
+    try:
+        service = ResponsesService(store)
+        with pytest.raises(OpenAIError) as refused:
+            await new_run(service, input="x" * 3000)
+        assert refused.value.status == 400 and refused.value.param == "input"
+        run, _ = await new_run(service, input="x" * 3000, store=False)  # not stored: fine
+    finally:
+        await store.close()
+
+
+async def test_a_chain_past_the_byte_bound_is_a_400_naming_previous_response_id(tmp_path: Path) -> None:
+    async with opened(tmp_path) as service:
+        service.max_chain_bytes = 1500
+        previous = None
+        for turn in range(20):
+            fields = {"input": f"turn {turn} " + "y" * 200}
+            if previous is not None:
+                fields["previous_response_id"] = previous
+            try:
+                run, _ = await new_run(service, **fields)
+            except OpenAIError as exc:
+                assert exc.status == 400 and exc.param == "previous_response_id" and exc.code == "chain_too_large"
+                assert turn > 1  # a few turns fit first
+                break
+            run.begin()
+            await run.execute(ScriptedGeneration([TextDelta("ok", "stop")]), save=lambda: service.save_final(run))
+            previous = run.id
+        else:
+            raise AssertionError("the chain was never refused")
+
+
+@pytest.mark.parametrize("background", [False, True])
+async def test_a_response_over_the_size_cap_is_kept_without_its_events(tmp_path: Path, background: bool) -> None:
+    """Its events (one per token here) pass the cap; the response and its output do not: it is stored,
+    completed, without its stream (a replay is a 400); a follower of the background run still ends."""
+    store = await ResponseStore.open(f"sqlite:///{tmp_path / 'r.sqlite3'}", max_bytes=6000)
+    deltas = [TextDelta("w", None) for _ in range(60)] + [TextDelta(".", "stop")]
+    try:
+        async with anyio.create_task_group() as group:
+            service = ResponsesService(store, group, poll_s=0.01)
+            run, _ = await new_run(service, stream=True, background=background)
+            if background:
+                async def start() -> Any:
+                    return ScriptedGeneration(deltas)
+
+                released = anyio.Event()
+                await service.start_background(run, start, released.set)
+                with anyio.fail_after(10):
+                    await released.wait()
+            else:
+                run.begin()
+                await run.execute(ScriptedGeneration(deltas), save=lambda: service.save_final(run))
+            stored = await store.get("alice", run.id)
+            assert stored.status == "completed" and stored.events is None
+            assert stored.response["output"][0]["content"][0]["text"] == "w" * 60 + "."
+            with pytest.raises(OpenAIError) as refused:
+                await service.follow("alice", run.id, None)
+            assert refused.value.status == 400
+            group.cancel_scope.cancel()
+    finally:
+        await store.close()
+
+
+async def test_a_follower_of_a_run_whose_process_died_ends_failed(tmp_path: Path) -> None:
+    """A background stream left in_progress by a process that died (as kill -9 leaves it: no heartbeat
+    since): a follower in another process ends with `response.failed` once the heartbeat is stale."""
+    store = await ResponseStore.open(f"sqlite:///{tmp_path / 'r.sqlite3'}", stale_after_s=0.3)
+    try:
+        async with anyio.create_task_group() as group:
+            dead = ResponsesService(store, group, poll_s=0.01)
+            run, _ = await new_run(dead, background=True, stream=True)
+            run.begin()
+            run.start()
+            await run.create()  # and then its process "dies": nothing more is written
+            follower = ResponsesService(store, poll_s=0.01)  # another process's service: not running it
+            with anyio.fail_after(10):
+                followed = [e async for e in await follower.follow("alice", run.id, None)]
+            assert [e["type"] for e in followed] == ["response.created", "response.in_progress", "response.failed"]
+            assert followed[-1]["response"]["error"]["code"] == "server_error"
+            assert (await follower.get("alice", run.id))["status"] == "failed"
+            group.cancel_scope.cancel()
+    finally:
+        await store.close()
+
+
+def test_the_database_password_comes_from_a_file_or_the_environment(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Kubernetes or compose secret holds the password (a mounted file, or an env var from a secretKeyRef);
+    the URL in the manifest has none. The log never shows it."""
+    dsn = "postgresql+asyncpg://app@db:5432/responses"
+    monkeypatch.setenv("RESPONSES_DB_URL", dsn)
+    secret = tmp_path / "password"
+    secret.write_text("p@ss:w/rd\n")
+    monkeypatch.setenv("RESPONSES_DB_PASSWORD_FILE", str(secret))
+    url = database_url(Settings())
+    assert url.password == "p@ss:w/rd" and url.host == "db" and url.database == "responses"
+    assert "p@ss" not in store_description(url)
+    monkeypatch.delenv("RESPONSES_DB_PASSWORD_FILE")
+    monkeypatch.setenv("RESPONSES_DB_PASSWORD", "from-env")
+    settings = Settings()
+    assert database_url(settings).password == "from-env" and "from-env" not in repr(settings)
+    monkeypatch.setenv("RESPONSES_DB_PASSWORD_FILE", str(secret))
+    with pytest.raises(ValueError, match="not both"):
+        Settings()
+    monkeypatch.delenv("RESPONSES_DB_PASSWORD_FILE")
+    monkeypatch.delenv("RESPONSES_DB_PASSWORD")
+    assert database_url(Settings()).render_as_string(hide_password=False) == dsn  # none set: the URL as given
+    monkeypatch.delenv("RESPONSES_DB_URL")
+    default = database_url(Settings())  # never relative to the working directory
+    assert default.get_backend_name() == "sqlite" and Path(default.database).is_absolute()
+
+
+async def test_a_postgresql_that_stops_is_a_503_and_is_used_again_once_back(tmp_path: Path) -> None:
+    """The store is open; its server stops: what needs it (a stored response before it runs, a GET) is a
+    503 with Retry-After, never a 500 or an answer that is then not stored; the server back, all works."""
+    server = PostgreSQLServer()
+    store = None
+    try:
+        store = await ResponseStore.open(server.url)
+        service = ResponsesService(store)
+        await new_run(service)
+        server.stop()
+        for call in (lambda: new_run(service), lambda: service.get("alice", "resp_x"),
+                     lambda: new_run(service, previous_response_id="resp_x")):
+            with pytest.raises(OpenAIError) as refused:
+                await call()
+            assert refused.value.status == 503 and "Retry-After" in refused.value.headers
+        server.start()
+        await new_run(service)
+        with pytest.raises(OpenAIError) as missing:
+            await service.get("alice", "resp_x")
+        assert missing.value.status == 404
+    finally:
+        if store is not None:
+            await store.close()
+        server.close()

@@ -8,6 +8,7 @@ ResponseStore instances on one database, and once a separate Python process.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import sys
 import uuid
@@ -19,8 +20,9 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from frontend.responses.store import (MAX_CHAIN_LENGTH, SCHEMA_VERSION, ChainTooLong, ResponseStore,
-                                      ResponseTooLarge, StoredResponse, _dumps, normalize_url)
+from frontend.responses.store import (MAX_CHAIN_LENGTH, MIGRATIONS, SCHEMA_VERSION, STALE_ERROR, ChainTooLong,
+                                      ResponseStore, ResponseTooLarge, StoredResponse, _dumps, json_size,
+                                      normalize_url)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_800_000_000  # created_at of the records below
@@ -167,11 +169,12 @@ async def test_update_replaces_the_response_and_output(store: ResponseStore) -> 
     got = await store.get("alice", "resp_1")
     assert got.status == "completed" and got.response == done.response
     assert got.output_items == done.output_items
-    assert got.events == events  # events=None leaves the stored events as they were
-    more = events + [{"type": "response.completed", "sequence_number": 1}]
+    assert got.events == events  # no new_events leaves the stored events as they were
+    more = [{"type": "response.completed", "sequence_number": 1}]
     assert await store.update("alice", "resp_1", status="completed", response=done.response,
-                              output_items=done.output_items, events=more) is True
-    assert (await store.get("alice", "resp_1")).events == more
+                              output_items=done.output_items, new_events=more) is True  # appended
+    assert (await store.get("alice", "resp_1")).events == events + more
+    assert (await store.get("alice", "resp_1", events_after=0)).events == more  # a follower's read
 
 
 async def test_update_of_a_missing_or_deleted_response_is_false(store: ResponseStore) -> None:
@@ -312,11 +315,11 @@ async def test_the_size_cap_on_update(open_store: StoreFactory) -> None:
     # events count as well, the stored ones included when the update leaves them as they are
     with pytest.raises(ResponseTooLarge):
         await store.update("alice", "resp_1", status="completed", response=first.response, output_items=[],
-                           events=[{"type": "x" * 200, "sequence_number": 0}])
+                           new_events=[{"type": "x" * 200, "sequence_number": 0}])
     assert await store.get("alice", "resp_1") == first  # nothing changed
     small_events = [{"type": "e", "sequence_number": 0}]
     assert await store.update("alice", "resp_1", status="completed", response=first.response,
-                              output_items=first.output_items, events=small_events)
+                              output_items=first.output_items, new_events=small_events)
 
 
 # ----- the chain -----
@@ -440,6 +443,154 @@ async def test_another_process_cancels_what_this_one_runs(store: ResponseStore, 
     assert process.returncode == 0, err.decode()
     assert out.decode().strip() == "cancelled"
     assert await store.cancel_requested("resp_1") is True
+
+
+# ----- dead runs: heartbeats (migration 2) -----
+
+async def test_a_running_response_whose_heartbeat_is_stale_reads_as_failed(open_store: StoreFactory) -> None:
+    clock = Clock(T0)
+    store = await open_store(clock=clock, stale_after_s=30)
+    events = [{"type": "response.created", "sequence_number": 0}]
+    for response_id, status in (("resp_run", "in_progress"), ("resp_queued", "queued"), ("resp_done", "completed")):
+        await store.create(record(response_id, status=status, events=events))
+    clock.now = T0 + 20
+    await store.heartbeat("resp_queued")  # its process is alive
+    assert (await store.update("alice", "resp_run", status="in_progress", response=record("resp_run", status="in_progress").response,
+                               output_items=[]))  # a write is a sign of life too
+    clock.now = T0 + 45  # 25 s after the last signs of life: both still running
+    assert [(await store.get("alice", i)).status for i in ("resp_run", "resp_queued")] == ["in_progress", "queued"]
+    clock.now = T0 + 51  # resp_run's process has been silent for 31 s; resp_queued's for 31 s too
+    dead = await store.get("alice", "resp_run")
+    assert dead.status == "failed" and dead.response["status"] == "failed"
+    assert dead.response["error"] == STALE_ERROR
+    # Its stream ends as a failed one does, for followers and replays alike.
+    assert dead.events[:-1] == events and dead.events[-1]["type"] == "response.failed"
+    assert dead.events[-1]["sequence_number"] == 1 and dead.events[-1]["response"] == dead.response
+    followed = await store.get("alice", "resp_queued", events_after=0, items=False)
+    assert followed.status == "failed" and [e["type"] for e in followed.events] == ["response.failed"]
+    assert (await store.get("alice", "resp_done")).status == "completed"  # a finished one is never stale
+    # Persisted: another process (a fresh store, whatever its window) reads failed from the column.
+    other = await open_store(clock=clock, stale_after_s=10**6)
+    assert (await other.get("alice", "resp_run")).status == "failed"
+    await store.heartbeat("resp_run")  # a late heartbeat does not revive it
+    assert (await other.get("alice", "resp_run")).status == "failed"
+
+
+async def test_a_heartbeat_between_the_read_and_the_update_keeps_the_run(open_store: StoreFactory) -> None:
+    """The failing UPDATE re-checks staleness itself: a run that beat after the reader saw it stale stays."""
+    clock = Clock(T0)
+    store = await open_store(clock=clock, stale_after_s=30)
+    await store.create(record(status="in_progress"))
+    clock.now = T0 + 31
+    found = await store._read("alice", "resp_1", -1, True)
+    assert found is not None and found[1]  # the reader sees it stale...
+    await store.heartbeat("resp_1")  # ...its process beats...
+    await store._fail_if_stale("alice", "resp_1")  # ...and the conditional UPDATE changes nothing
+    assert (await store.get("alice", "resp_1")).status == "in_progress"
+
+
+# ----- stream events: append-only rows (migration 2) -----
+
+async def test_events_are_appended_and_followers_read_only_the_new(store: ResponseStore) -> None:
+    first = [{"type": "response.created", "sequence_number": 0}, {"type": "response.in_progress", "sequence_number": 1}]
+    await store.create(record(status="in_progress", events=first))
+    later = [{"type": "response.output_text.delta", "sequence_number": 2, "delta": "hi"}]
+    assert await store.update("alice", "resp_1", status="in_progress", response=record().response, output_items=[],
+                              new_events=later)
+    assert (await store.get("alice", "resp_1")).events == first + later
+    assert (await store.get("alice", "resp_1", events_after=1, items=False)).events == later
+    assert (await store.get("alice", "resp_1", events_after=2)).events == []
+    async with store._engine.connect() as conn:
+        rows = (await conn.execute(text("SELECT events FROM stored_responses"))).scalars().all()
+    assert rows == ["[]"]  # nothing rewritten in the row: the events are rows of their own
+    # Dropped (too large to keep them): no stream any more, and the rows are gone.
+    assert await store.update("alice", "resp_1", status="completed", response=record().response, output_items=[],
+                              drop_events=True)
+    assert (await store.get("alice", "resp_1")).events is None
+    async with store._engine.connect() as conn:
+        assert (await conn.execute(text("SELECT count(*) FROM stored_response_events"))).scalar() == 0
+
+
+async def test_deleting_and_purging_remove_the_events(open_store: StoreFactory) -> None:
+    clock = Clock(T0)
+    store = await open_store(ttl_days=1, clock=clock)
+    events = [{"type": "response.created", "sequence_number": 0}]
+    await store.create(record("resp_1", events=events))
+    await store.create(record("resp_2", events=events))
+    assert await store.delete("alice", "resp_1")
+    clock.now = T0 + DAY
+    assert await store.purge_expired() == 1
+    async with store._engine.connect() as conn:
+        assert (await conn.execute(text("SELECT count(*) FROM stored_response_events"))).scalar() == 0
+
+
+async def test_a_version_1_database_is_migrated_and_its_rows_still_read(db_url: str, open_store: StoreFactory) -> None:
+    """Migration 1 only (a database of the previous release) with a row as that release wrote it."""
+    engine = create_async_engine(normalize_url(db_url))
+    legacy_events = [{"type": "response.created", "sequence_number": 0}]
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE stored_responses_schema (version INTEGER NOT NULL)"))
+            await conn.execute(text("INSERT INTO stored_responses_schema (version) VALUES (1)"))
+            for statement in MIGRATIONS[0]:
+                await conn.execute(text(statement))
+            await conn.execute(text(
+                "INSERT INTO stored_responses (id, owner, status, created_at, cancel_requested, response, output_items,"
+                " events, input_bytes, response_bytes, events_bytes) VALUES ('resp_old', 'alice', 'in_progress', "
+                f":created, FALSE, :response, '[]', :events, 0, 10, 10)"),
+                {"created": T0, "response": '{"id":"resp_old","status":"in_progress"}',
+                 "events": json.dumps(legacy_events)})
+    finally:
+        await engine.dispose()
+    clock = Clock(T0 + 10)
+    store = await open_store(clock=clock, stale_after_s=30)
+    old = await store.get("alice", "resp_old")
+    assert old.events == legacy_events and old.status == "in_progress"
+    assert await store.update("alice", "resp_old", status="in_progress", response={"id": "resp_old"},
+                              output_items=[], new_events=[{"type": "x", "sequence_number": 1}])
+    assert [e["sequence_number"] for e in (await store.get("alice", "resp_old")).events] == [0, 1]
+    assert await store.chain_bytes("alice", "resp_old") == 0  # not known for a v1 row: counted as nothing
+    async with store._engine.connect() as conn:
+        assert (await conn.execute(text("SELECT version FROM stored_responses_schema"))).scalar() == SCHEMA_VERSION
+
+
+# ----- chain sizes (migration 2) -----
+
+def own_bytes(stored: StoredResponse) -> int:
+    return sum(json_size(item) for item in stored.input_items) + json_size(stored.output_items)
+
+
+async def test_chain_bytes_add_up_along_the_chain(store: ResponseStore) -> None:
+    first, second = record("resp_a", inputs=2), record("resp_b", previous="resp_a", inputs=1)
+    await store.create(first)
+    await store.create(second)
+    assert await store.chain_bytes("alice", "resp_a") == own_bytes(first)
+    assert await store.chain_bytes("alice", "resp_b") == own_bytes(first) + own_bytes(second)
+    assert await store.chain_bytes("mallory", "resp_b") is None and await store.chain_bytes("alice", "x") is None
+
+
+async def test_a_byte_budget_reads_the_chain_newest_first_from_a_turn_start(store: ResponseStore) -> None:
+    chain = [record(f"resp_{i}", previous=f"resp_{i - 1}" if i else None, inputs=1) for i in range(6)]
+    # resp_4's input answers a call (no user message): a truncated chain must not start there.
+    chain[4].input_items = [{"id": "fco_4", "type": "function_call_output", "call_id": "c", "output": "4"}]
+    for stored in chain:
+        await store.create(stored)
+    whole = await store.conversation("alice", "resp_5")
+    assert len(whole) == 12
+    per_response = own_bytes(chain[5])
+    # Room for resp_5 and resp_4 (both read, then one more: the one that crosses the budget), not resp_1.
+    budget = 2 * per_response + 1
+    read = await store.conversation("alice", "resp_5", max_bytes=budget)
+    assert read == chain[3].input_items + chain[3].output_items + chain[4].input_items + chain[4].output_items \
+        + chain[5].input_items + chain[5].output_items
+    tight = await store.conversation("alice", "resp_5", max_bytes=1)  # resp_5 and resp_4 read; resp_4 is a call's output
+    assert tight == chain[5].input_items + chain[5].output_items
+    # Ancestors past the budget are not read, so an expired or deleted one there does not matter...
+    await store.delete("alice", "resp_0")
+    assert await store.conversation("alice", "resp_5", max_bytes=budget) == read
+    assert await store.conversation("alice", "resp_5") is None  # ...but does without a budget
+    # A missing ancestor within the budget still makes the chain not found.
+    assert await store.conversation("alice", "resp_1", max_bytes=10**9) is None
 
 
 # ----- schema and URLs -----
