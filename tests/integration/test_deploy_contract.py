@@ -168,7 +168,10 @@ class Launch:
     control_key: str | None  # the file Triton's control key is in, where the target has one
 
     def fingerprint(self) -> str:
+        """Equal for two targets that start their frontend identically (the order mounts are listed in aside)."""
         data = {k: v for k, v in self.__dict__.items() if k != "target"}
+        data.update(writable=sorted(self.writable), read_only=sorted(self.read_only),
+                    secrets=sorted((s.path, s.content_of, s.mode, s.gid) for s in self.secrets))
         return json.dumps(data, sort_keys=True, default=lambda o: o.__dict__)
 
 
