@@ -522,6 +522,9 @@ def exercise(launch: Launch, services: Services, work: Path) -> None:
                 f"{launch.target}: the other frontend cannot read it: {stored.status_code} {stored.text}\n{logs()}"
             assert stored.json()["id"] == created.json()["id"]
             assert stored.json()["output"] == created.json()["output"]
+        for pod in pods:  # what the frontends logged never carries a secret
+            text = pod.log.read_text(errors="replace")
+            assert services.db_password not in text and services.api_key not in text, f"{pod.log}: a secret is logged"
     finally:
         for pod in pods:
             stop_process(pod.process)
