@@ -51,7 +51,9 @@ def test_frontend_stores_responses_in_the_compose_postgresql() -> None:
     assert match and match.group(2) == "responses-db"
     assert (db["environment"]["POSTGRES_USER"], db["environment"]["POSTGRES_DB"]) == (match.group(1), match.group(3))
     assert re.fullmatch(r"postgres:\d+\.\d+-\w+(@sha256:[0-9a-f]{64})?", db["image"])
-    assert set(db["networks"]) == {"backend"} and "ports" not in db
+    assert set(db["networks"]) == {"responses"} and "ports" not in db and model["networks"]["responses"]["internal"]
+    assert {name for name, s in model["services"].items() if "responses" in (s.get("networks") or ())} == \
+        {"frontend", "responses-db"}
     assert frontend["depends_on"]["responses-db"]["condition"] == "service_healthy"
     # The password: one secret file, read by both; never a literal, never an env value of this file.
     assert model["secrets"]["responses_db_password"]["file"] == ENV["RESPONSES_DB_PASSWORD_FILE"]
