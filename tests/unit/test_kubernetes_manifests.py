@@ -413,7 +413,9 @@ def test_multinode_runs_no_ssh_and_its_workers_only_sleep() -> None:
         assert not [p for p in c.get("ports", []) if p["containerPort"] in (22, 2222)], c["name"]
         assert not [e for e in c.get("env", []) if e["name"].startswith("OMPI_MCA_plm_rsh")], c["name"]
     for spec in pod_specs(resource(docs, "LeaderWorkerSet", "tritonllm")):
-        assert {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} <= {"tritonllm-api-keys"}
+        # No SSH keys: the only Secrets are the API keys and the Responses store's password (the frontend's).
+        assert {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} <= {"tritonllm-api-keys",
+                                                                                        "tritonllm-responses-db"}
     # The launch agent calls kubectl, never ssh; the image installs no SSH server.
     agent = [line.split("#")[0] for line in (K8S / "overlays" / "multinode" / "kubessh.sh").read_text().splitlines()]
     assert not [line for line in agent if re.search(r"\bssh\b|sshd", line)]
