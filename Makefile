@@ -117,11 +117,13 @@ bench-pa: install
 	PY=$(PY) PA_DIR=$(abspath $(BUILD))/perf_analyzer bash benchmarks/perf_analyzer/run_sweep.sh \
 		--model-repository $(BUILD)/bench/model_repository --work-dir $(BUILD)/bench $(QUICK_FLAG)
 
-# docker/: the compose file must validate (docker-compose v1 from Debian, no daemon needed) and the
-# Dockerfiles must pass hadolint (pinned in the dev extra). MODEL_DIR is only interpolated, never read.
+# docker/: the compose file must validate against the Compose Specification's JSON schema (vendored, pinned:
+# docker/compose-spec/README.md; jsonschema and PyYAML from the venv: nothing is installed on the machine), and
+# the Dockerfiles must pass hadolint (pinned in the dev extra). MODEL_DIR and RESPONSES_DB_PASSWORD_FILE are
+# only interpolated, never read.
 lint: install lint-k8s
-	command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose; }
-	MODEL_DIR=/models/hf docker-compose -f docker/compose.yaml config --quiet
+	MODEL_DIR=/models/hf RESPONSES_DB_PASSWORD_FILE=/run/responses-db.password \
+		$(PY) docker/validate_compose.py docker/compose.yaml
 	$(VENV)/bin/hadolint docker/Dockerfile.trtllm docker/Dockerfile.frontend docker/Dockerfile.cpu
 
 # deploy/kubernetes/, offline: every overlay renders (kubectl's built-in kustomize), every core resource

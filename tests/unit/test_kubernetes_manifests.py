@@ -413,7 +413,9 @@ def test_multinode_runs_no_ssh_and_its_workers_only_sleep() -> None:
         assert not [p for p in c.get("ports", []) if p["containerPort"] in (22, 2222)], c["name"]
         assert not [e for e in c.get("env", []) if e["name"].startswith("OMPI_MCA_plm_rsh")], c["name"]
     for spec in pod_specs(resource(docs, "LeaderWorkerSet", "tritonllm")):
-        assert {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} <= {"tritonllm-api-keys"}
+        # No SSH keys: the only Secrets are the API keys and the Responses store's password (the frontend's).
+        assert {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} <= {"tritonllm-api-keys",
+                                                                                        "tritonllm-responses-db"}
     # The launch agent calls kubectl, never ssh; the image installs no SSH server.
     agent = [line.split("#")[0] for line in (K8S / "overlays" / "multinode" / "kubessh.sh").read_text().splitlines()]
     assert not [line for line in agent if re.search(r"\bssh\b|sshd", line)]
@@ -896,3 +898,52 @@ def test_endpoint_picker_scrapes_as_often_as_the_frontend_refreshes_tritons_metr
     assert seconds == cache_s and 0.5 <= seconds < 2, "under the picker's 2 s staleness threshold"
     # The queue the picker routes on counts the frontend's admission queue too.
     assert picker_metrics(docs)["queuedRequestsSpec"] == ("tritonllm_requests_waiting", {})
+
+
+# ----- the Responses store (components/postgresql) -------------------------------------------------------
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_shares_one_postgresql_store_whose_password_is_a_secret_file(overlay: str) -> None:
+    """Every overlay can run several frontend pods: they share PostgreSQL, never a file of their own; the
+    password is a mounted Secret (never a literal, never a pod spec's env); tests/integration/
+    test_deploy_contract.py starts the frontend so declared."""
+    docs = render(overlay)
+    frontend = container(server_pod(docs), "frontend")
+    url = env_of(frontend)["RESPONSES_DB_URL"]
+    match = re.fullmatch(r"postgresql://(\w+)@([\w-]+):(\d+)/(\w+)", url)
+    assert match, f"{overlay}: RESPONSES_DB_URL {url!r} is not a PostgreSQL DSN without a password"
+    service = resource(docs, "Service", match.group(2))
+    assert int(match.group(3)) in {p["port"] for p in service["spec"]["ports"]}
+    statefulset = resource(docs, "StatefulSet", "tritonllm-postgres")
+    assert service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
+    postgres = statefulset["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(postgres)["POSTGRES_USER"] == match.group(1) and env_of(postgres)["POSTGRES_DB"] == match.group(4)
+    # The password: a file from the Secret in both pods, read by the frontend's command before it exec's the
+    # image's; no container anywhere takes a Secret through env.
+    for c in all_containers(docs):
+        assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in c.get("env", [])), c["name"]
+    volumes = {v["name"]: v for v in server_pod(docs)["spec"]["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in frontend["volumeMounts"]}
+    password_file = env_of(postgres)["POSTGRES_PASSWORD_FILE"]
+    assert mounts[str(Path(password_file).parent)]["secret"]["secretName"] == "tritonllm-responses-db"
+    assert frontend["command"][:2] == ["/bin/sh", "-c"]
+    assert f"read -r PGPASSWORD < {password_file};" in frontend["command"][2]
+    assert frontend["command"][2].endswith("exec python -m frontend")
+
+
+def test_postgresql_pod_is_restricted_and_reachable_from_the_servers_only() -> None:
+    docs = render("cpu")
+    template = resource(docs, "StatefulSet", "tritonllm-postgres")["spec"]["template"]
+    spec = template["spec"]
+    (postgres,) = spec["containers"]
+    assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] >= 10000
+    assert postgres["securityContext"]["readOnlyRootFilesystem"] and not postgres["securityContext"]["allowPrivilegeEscalation"]
+    assert re.fullmatch(r"postgres:\d+\.\d+-\w+(@sha256:[0-9a-f]{64})?", postgres["image"]), postgres["image"]
+    writable = {m["mountPath"] for m in postgres["volumeMounts"] if not m.get("readOnly")}
+    assert writable == {"/var/lib/postgresql/data", "/var/run/postgresql", "/tmp"}
+    assert env_of(postgres)["PGDATA"].startswith("/var/lib/postgresql/data/")
+    policy = resource(docs, "NetworkPolicy", "tritonllm-postgres")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    (rule,) = policy["spec"]["ingress"]
+    (source,) = rule["from"]
+    assert source["podSelector"]["matchLabels"].items() <= server_pod(docs)["metadata"]["labels"].items()
+    assert rule["ports"] == [{"protocol": "TCP", "port": 5432}]
