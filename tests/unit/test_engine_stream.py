@@ -259,8 +259,9 @@ async def test_output_past_the_requests_buffer_budget_ends_it_with_a_clear_error
     tokens = engine.generate(EngineRequest("req-1", [1], options, budget))
     other = engine.generate(EngineRequest("req-2", [1], options, budget))
     reading, other_reading = asyncio.ensure_future(tokens.__anext__()), asyncio.ensure_future(other.__anext__())
-    call = await started(fake)
-    other_call = await started(fake)
+    while len(fake.calls) < 2:
+        await started(fake)
+    call, other_call = sorted(fake.calls, key=lambda c: c.request["request_id"])
     for i in range(4):
         trtllm_token(other_call, i, so_far=i + 1)
     await other_reading
