@@ -92,6 +92,23 @@ async def rate_limited(request: Request) -> None:
     await request_budget(request).check_request_rate()
 
 
+def lists_fit(request: Request) -> None:
+    """Refuse, by their lengths alone and before the body is validated, more `messages`, Responses `input`
+    items or `tools` than this server takes (settings): validation costs a Python step per item and runs
+    on the event loop (a 3.7 MB chat body of 110k one-character messages took ~2.9 s of it), so a body of
+    many tiny items must be a 400 at once, naming the field."""
+    body = parsed_json(request)
+    if not isinstance(body, dict):
+        return
+    settings = request.app.state.settings
+    for field, limit in (("messages", settings.max_messages), ("input", settings.max_input_items),
+                         ("tools", settings.max_tools)):
+        items = body.get(field)
+        if isinstance(items, list) and len(items) > limit:
+            raise invalid_request(f"{field} may hold at most {limit} items; this request has {len(items)}", field,
+                                  "array_above_max_length")
+
+
 def check_fits_context(text: str, context: ModelContext, param: str) -> None:
     """Refuse, before tokenizing it, a text that has more tokens than the model's context can ever hold."""
     if context.tokenizer.certainly_longer_than(text, context.context_length):
@@ -174,23 +191,6 @@ async def token_prompts_fit(request: Request) -> None:
     context_length = await context_length_for(request, body.get("model")) if token_prompts else None
     if context_length is not None:  # no room left for one token: the route's own 400
         resolve_max_tokens(max(map(len, token_prompts)), None, context_length, "prompt")
-
-
-def lists_fit(request: Request) -> None:
-    """Refuse, by their lengths alone and before the body is validated, more `messages`, Responses `input`
-    items or `tools` than this server takes (settings): validation costs a Python step per item and runs
-    on the event loop (a 3.7 MB chat body of 110k one-character messages took ~2.9 s of it), so a body of
-    many tiny items must be a 400 at once, naming the field."""
-    body = parsed_json(request)
-    if not isinstance(body, dict):
-        return
-    settings = request.app.state.settings
-    for field, limit in (("messages", settings.max_messages), ("input", settings.max_input_items),
-                         ("tools", settings.max_tools)):
-        items = body.get(field)
-        if isinstance(items, list) and len(items) > limit:
-            raise invalid_request(f"{field} may hold at most {limit} items; this request has {len(items)}", field,
-                                  "array_above_max_length")
 
 
 # ----- generation ----------------------------------------------------------------------------------
