@@ -138,15 +138,18 @@ async def live_stream(port: int, tokens: int, started: asyncio.Event | None = No
     import httpx
 
     arrivals: list[float] = []
-    body = {"model": MODEL, "prompt": "live", "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "live"}], "max_tokens": tokens,
+            "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(timeout=300) as http:
-        async with http.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+        async with http.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     arrivals.append(time.monotonic())
                     if len(arrivals) == 5 and started is not None:
                         started.set()
     gaps = [b - a for a, b in zip(arrivals[5:], arrivals[6:])]
+    if not gaps:
+        raise RuntimeError(f"the stream ended after {len(arrivals)} chunks (status {response.status_code})")
     return max(gaps)
 
 
@@ -203,8 +206,7 @@ async def paused_scenario(port: int, pid: int, args: argparse.Namespace) -> dict
 async def big_body_scenario(port: int, args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 110_000},
-                      separators=(",", ":")).encode()
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 110_000}).encode()
     tokens = max(100, int(3000 / args.step_ms))
     alone = await live_stream(port, tokens)
     started = asyncio.Event()
@@ -230,7 +232,7 @@ async def measure(args: argparse.Namespace) -> None:
     tree = Path(args.tree).resolve() if args.tree else REPO_ROOT
     port = find_free_port()
     env = {**os.environ, "PYTHONPATH": f"{tree}:{REPO_ROOT}"}  # the tree's frontend; this repo's test fakes
-    child = subprocess.Popen([sys.executable, "-m", "benchmarks.backpressure_bench", "serve", "--port", str(port),
+    child = subprocess.Popen([sys.executable, __file__, "serve", "--port", str(port),
                               "--step-ms", str(args.step_ms)], cwd=tree, env=env, start_new_session=True)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health/live", 60, child)
