@@ -6,14 +6,14 @@ response per step, `step_ms` apart, each carrying the log-probs of EVERY token s
 tests/trtllm_contract). What Triton and gRPC themselves would buffer is not part of this measurement.
 
 - `paused`: a reading stream alone (its worst gap between chunks); then `--paused` streams with `logprobs`
-  whose clients read nothing for `--pause-s` (a 4 KB receive buffer, so the frontend's writes back up at
-  once) while each generates `--tokens` tokens, beside that reading stream again. Reports the frontend's RSS
+  whose clients read nothing (a 4 KB receive buffer, so the frontend's writes back up at once) while each
+  would generate `--tokens` tokens, beside that reading stream again (20% longer: the pause ends with it). Reports the frontend's RSS
   growth (peak VmRSS during, minus before), the reading stream's worst gap (and its ratio to the gap alone),
   and how each paused request ended once its client read again ([DONE], or the `client_too_slow` error).
 - `big_body`: a 3.7 MiB chat body of 110k one-character messages, posted beside a live stream: the time to
   its answer (status and param), and the stream's worst gap with it against its worst gap alone.
 
-    python -m benchmarks.backpressure_bench [--tree PATH] [--paused 16] [--tokens 2000] [--pause-s 20]
+    python -m benchmarks.backpressure_bench [--tree PATH] [--paused 16] [--tokens 2000] [--step-ms 5]
 
 `--tree`: run the frontend of another checkout (e.g. the previous commit, `git archive`d) for comparison.
 """
@@ -182,8 +182,10 @@ async def paused_client(port: int, tokens: int, sent: asyncio.Event, resume: asy
 
 
 async def paused_scenario(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
-    live_tokens = max(50, int(args.pause_s * 1000 / args.step_ms * 0.8))
-    alone = await live_stream(port, min(live_tokens, 400))
+    # The reading stream outlasts the paused ones' generation (same pace, 20% more tokens): the pause ends
+    # when it does, by which time a frontend that reads everything holds all of theirs.
+    live_tokens = int(args.tokens * 1.2)
+    alone = await live_stream(port, live_tokens)
     before = rss_bytes(pid)
     sampler = RssPeak(pid)
     sampling = asyncio.create_task(sampler.run())
@@ -192,12 +194,12 @@ async def paused_scenario(port: int, pid: int, args: argparse.Namespace) -> dict
     clients = [asyncio.create_task(paused_client(port, args.tokens, s, resume)) for s in sent]
     for event in sent:
         await event.wait()
-    worst = await live_stream(port, live_tokens)  # ~ pause_s long, beside the paused clients
-    grown = sampler.peak - before
+    worst = await live_stream(port, live_tokens)  # beside the paused clients
     resume.set()
     endings = await asyncio.gather(*clients)
     sampling.cancel()
-    return {"paused": args.paused, "tokens": args.tokens, "pause_s": round(live_tokens * args.step_ms / 1000, 1),
+    grown = sampler.peak - before  # the peak over the pause and the paused clients' reading
+    return {"paused": args.paused, "tokens": args.tokens, "live_tokens": live_tokens,
             "rss_growth_mb": round(grown / 2**20, 1), "worst_gap_alone_ms": round(alone * 1000, 1),
             "worst_gap_ms": round(worst * 1000, 1), "gap_ratio": round(worst / alone, 2),
             "endings": {e: endings.count(e) for e in set(endings)}}
@@ -252,7 +254,6 @@ def main() -> None:
     parser.add_argument("--tree", default=None)
     parser.add_argument("--paused", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=2000)
-    parser.add_argument("--pause-s", type=float, default=20.0)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--scenarios", default="paused,big_body")
     args = parser.parse_args()

@@ -331,25 +331,27 @@ class _OpenStream:
     room: asyncio.Event = field(default_factory=asyncio.Event)  # set when the consumer took, or left
     reader: asyncio.Task | None = None
     discard: bool = False  # the consumer left, or the budget was passed: what comes is read and dropped
+    waiting: bool = False  # the reader waits for room in `responses`
 
     def start_reading(self) -> None:
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     async def next(self) -> Any:
         """The consumer's next item; its bytes go back to the request's budget."""
-        item = await self.responses.get()
+        item = self._taken(await self.responses.get())
+        self.room.set()
+        return item
+
+    def _taken(self, item: Any) -> Any:
         if self.buffer is not None and isinstance(item, tuple) and item[0] is not None:
             self.buffer.give(chunk_bytes(item[0]))
-        self.room.set()
         return item
 
     def leave(self) -> None:
         """The consumer has left: drop what waits and all that comes (a waiting reader wakes up)."""
         self.discard = True
         while not self.responses.empty():
-            item = self.responses.get_nowait()
-            if self.buffer is not None and isinstance(item, tuple) and item[0] is not None:
-                self.buffer.give(chunk_bytes(item[0]))
+            self._taken(self.responses.get_nowait())
         self.room.set()
 
     def _chunk(self, result: grpcclient.InferResult) -> TokenChunk | None:
@@ -365,7 +367,10 @@ class _OpenStream:
     async def _hand_on(self, chunk: TokenChunk | None, error: Any) -> None:
         while self.responses.qsize() >= self.limit and not self.discard:
             self.room.clear()
+            self.waiting = True  # on its consumer, not on the engine: no stall (StallWatch)
             await self.room.wait()
+            self.waiting = False
+            self.heard_at = time.monotonic()
         if self.discard:
             return
         if chunk is not None and self.buffer is not None and not self.buffer.take(chunk_bytes(chunk)):
@@ -425,7 +430,8 @@ class StallWatch:
             while self._streams:
                 await asyncio.sleep(self.stall_s / 2)
                 now = time.monotonic()
-                silent = {(s.model, s.version) for s in self._streams if now - s.heard_at >= self.stall_s}
+                silent = {(s.model, s.version) for s in self._streams
+                          if not s.waiting and now - s.heard_at >= self.stall_s}
                 for model, version in sorted(silent):
                     dead = await self._probe(model, version)
                     if dead is not None:
