@@ -87,7 +87,7 @@ class PacedTriton:
         pass
 
 
-def serve(port: int, step_ms: float) -> None:
+def serve(port: int, step_ms: float, sndbuf: int) -> None:
     import uvicorn
 
     from frontend.generation.triton_engine import TritonEngine
@@ -109,7 +109,15 @@ def serve(port: int, step_ms: float) -> None:
         "".join(m["content"] for m in messages))
     app.state.models = OneModel(ModelContext(MODEL, 1 << 20, tokenizer, 0,  # type: ignore[arg-type]
                                              engine=VersionEngine(triton, None)))
-    uvicorn.run(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning", access_log=False)
+    # A small send buffer on the listening socket (accepted ones inherit it): on loopback the kernel would
+    # otherwise take megabytes of a client's unread stream (tcp_wmem) before the frontend's writes wait at all,
+    # which a client across a network that stopped reading (a zero window) does not give.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    listener.bind(("127.0.0.1", port))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False))
+    server.run(sockets=[listener])
 
 
 # ----- the parent: clients, measured ---------------------------------------------------------------------------
@@ -164,18 +172,17 @@ async def paused_client(port: int, tokens: int, sent: asyncio.Event, resume: asy
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window from the start
     sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens,
                        "ignore_eos": True, "stream": True, "logprobs": True}).encode()
-    writer.write(http_request(port, body))
-    await writer.drain()
+    await loop.sock_sendall(sock, http_request(port, body))
     sent.set()
-    await resume.wait()
+    await resume.wait()  # nothing is read from the socket meanwhile (an asyncio stream would read ahead)
     received = b""
-    while chunk := await reader.read(1 << 16):
+    while chunk := await loop.sock_recv(sock, 1 << 16):
         received += chunk
-    writer.close()
+    sock.close()
     if b"client_too_slow" in received:
         return "client_too_slow"
     return "done" if received.rstrip().endswith(b"0") and b"data: [DONE]" in received else received[-200:].decode()
@@ -235,7 +242,8 @@ async def measure(args: argparse.Namespace) -> None:
     port = find_free_port()
     env = {**os.environ, "PYTHONPATH": f"{tree}:{REPO_ROOT}"}  # the tree's frontend; this repo's test fakes
     child = subprocess.Popen([sys.executable, __file__, "serve", "--port", str(port),
-                              "--step-ms", str(args.step_ms)], cwd=tree, env=env, start_new_session=True)
+                              "--step-ms", str(args.step_ms), "--sndbuf", str(args.sndbuf)], cwd=tree, env=env,
+                             start_new_session=True)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health/live", 60, child)
         await live_stream(port, 20)  # warm up
@@ -256,9 +264,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--scenarios", default="paused,big_body")
+    parser.add_argument("--sndbuf", type=int, default=16384, help="the frontend's socket send buffer (bytes)")
     args = parser.parse_args()
     if args.mode == "serve":
-        serve(args.port, args.step_ms)
+        serve(args.port, args.step_ms, args.sndbuf)
     else:
         asyncio.run(measure(args))
 

@@ -61,16 +61,18 @@ async def silent_client(port: int, body: dict, sent: asyncio.Event, resume: asyn
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    reader, writer = await asyncio.open_connection(sock=sock)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
     payload = json.dumps(body).encode()
-    writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
-    await writer.drain()
+    await loop.sock_sendall(sock, f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                  f"application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+                                  .encode() + payload)
     sent.set()
-    await resume.wait()
-    received = await reader.read()
-    writer.close()
+    await resume.wait()  # nothing is read from the socket meanwhile (an asyncio stream would read ahead)
+    received = b""
+    while chunk := await loop.sock_recv(sock, 1 << 16):
+        received += chunk
+    sock.close()
     return received
 
 
