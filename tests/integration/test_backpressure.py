@@ -3,8 +3,10 @@ streamed responses each carry the log-probs of every token so far (tests/trtllm_
 ResponseShaper): held whole, 16 streams of 2,000 tokens with `logprobs` would be ~130 MB of responses.
 
 The double runs an engine of its own here (a 2,200-token context, 17 sequences at once), so that 16 paused
-streams and one reading stream run together. The clients are raw sockets with a 4 KB receive buffer, so the
-frontend's writes back up at once. Everything waits on the engine's gauges, never on a clock.
+streams and one reading stream run together. The clients are raw sockets with a 4 KB receive buffer that read
+nothing; on loopback the frontend's socket may still take up to tcp_wmem's maximum (4 MB) of a stream before
+its writes wait, so benchmarks/backpressure_bench.py, which can shrink that buffer, is where the old reader's
+O(n^2) shows most (+165 MB there). Everything waits on the engine's gauges, never on a clock.
 """
 
 from __future__ import annotations
