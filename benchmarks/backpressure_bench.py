@@ -215,7 +215,8 @@ async def paused_scenario(port: int, pid: int, args: argparse.Namespace) -> dict
 async def big_body_scenario(port: int, args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 110_000}).encode()
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 110_000,
+                       "max_tokens": 1}).encode()
     tokens = max(100, int(3000 / args.step_ms))
     alone = await live_stream(port, tokens)
     started = asyncio.Event()
