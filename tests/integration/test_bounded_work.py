@@ -210,7 +210,8 @@ async def test_a_chat_body_of_110k_messages_is_refused_by_their_number_beside_a_
 
     async def big_chat(http: httpx.AsyncClient) -> httpx.Response:
         started = time.monotonic()
-        answer = await http.post(f"{url}/v1/chat/completions", content=big, headers={"Content-Type": "application/json"})
+        answer = await http.post(f"{url}/v1/chat/completions", content=big,
+                                 headers={"Content-Type": "application/json"})
         took.append(time.monotonic() - started)
         return answer
 
