@@ -9,7 +9,8 @@ tests/trtllm_contract). What Triton and gRPC themselves would buffer is not part
   whose clients read nothing (a 4 KB receive buffer, so the frontend's writes back up at once) while each
   would generate `--tokens` tokens, beside that reading stream again (20% longer: the pause ends with it).
   Reports the frontend's RSS growth (peak VmRSS during, minus before), the reading stream's worst gap (and
-  its ratio to the gap alone), and how each paused request ended once its client read again ([DONE], or the `client_too_slow` error).
+  its ratio to the gap alone), and how each paused request ended once its client read again ([DONE], or
+  the `client_too_slow` error).
 - `big_body`: a 3.7 MiB chat body of 110k one-character messages, posted beside a live stream: the time to
   its answer (status and param), and the stream's worst gap with it against its worst gap alone.
 

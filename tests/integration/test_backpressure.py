@@ -119,7 +119,7 @@ async def test_clients_that_read_nothing_cost_bounded_memory_and_do_not_stall_ot
     reading_gap, _ = await worst_gap_beside(url, PAUSED, False, stack, pid)
     paused_gap, grown = await worst_gap_beside(url, PAUSED, True, stack, pid)
     print(f"\n{PAUSED} paused streams of {TOKENS} tokens with logprobs: frontend RSS +{grown / 2**20:.1f} MB; "
-          f"a reading stream's worst gap {paused_gap * 1000:.0f} ms beside them, {reading_gap * 1000:.0f} ms beside as many "
-          f"reading streams ({paused_gap / reading_gap:.2f}x)")
+          f"a reading stream's worst gap {paused_gap * 1000:.0f} ms beside them, {reading_gap * 1000:.0f} ms beside "
+          f"as many reading streams ({paused_gap / reading_gap:.2f}x)")
     assert grown < 40 * 2**20
     assert paused_gap < 10 * reading_gap  # generous: benchmarks/backpressure_bench.py measures the ratio
