@@ -60,6 +60,13 @@ class Settings(BaseSettings):
         2.0, gt=0, description="a stream that has heard nothing from the engine this long makes the frontend probe "
                                "the engine model; if its process is dead, every stream on it ends with an error "
                                "at once instead of hanging")
+    engine_stream_queue: int = Field(
+        64, ge=1, description="engine responses (as tokens) that wait for a stream's client at most; a client that "
+                              "reads no further stops its engine stream's reader there (gRPC flow control)")
+    request_buffer_bytes: int = Field(
+        4 * 1024 * 1024, ge=0, description="bytes of generated output that may wait for one request's client (all its "
+                                           "choices); a client that reads too slowly past it ends the request (503 "
+                                           "client_too_slow, or an error event); 0: only engine_stream_queue")
     engine_model: str = Field("tensorrt_llm", description="Triton model that runs the engine")
     preprocessing_model: str = Field("preprocessing", description="Triton model whose config names the tokenizer")
     model_repository: Path | None = Field(
@@ -110,6 +117,13 @@ class Settings(BaseSettings):
                                                                "it: 408 and the connection is closed")
     max_engine_requests: int = Field(16, ge=1, description="most engine requests one HTTP request may start "
                                                            "(prompts x n); past it: 400")
+    max_messages: int = Field(2048, ge=1, description="most chat `messages` in one request (chat, /tokenize), "
+                                                      "counted before the body is validated; past it: 400")
+    # at most the schemas' own bounds (responses/request.py MAX_INPUT_ITEMS, MAX_TOOLS; chat's tools)
+    max_input_items: int = Field(1024, ge=1, le=1024, description="most Responses `input` items in one request, "
+                                 "counted before the body is validated; past it: 400")
+    max_tools: int = Field(128, ge=1, le=128, description="most `tools` in one request, counted before the body is "
+                           "validated; past it: 400")
     max_stop_length: int = Field(1000, ge=1, description="longest stop string, in characters; past it: 400")
     tokenizer_threads: int = Field(4, ge=1, description="threads that tokenize and render chat templates, "
                                                         "off the event loop")

@@ -53,6 +53,28 @@ class EngineRequest:
     request_id: str
     prompt_ids: list[int]
     options: SamplingOptions
+    buffer: "BufferBudget | None" = None  # shared by the engine requests of one HTTP request
+
+
+class BufferBudget:
+    """The bytes of engine output that one HTTP request's engine requests may hold between the engine and
+    its client (all its choices together). A client that stops reading makes the engine's output wait in the
+    frontend; each stream's queue is bounded (TritonEngine), and this bounds the request as a whole, which may
+    run up to max_engine_requests streams: past it the request ends with an error instead of holding more."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> bool:
+        """Hold `size` more bytes: False (nothing taken) when that would pass the limit."""
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.held -= size
 
 
 class TokenChunk(NamedTuple):

@@ -22,7 +22,7 @@ from typing import AsyncIterator, Awaitable, Callable, NamedTuple, Protocol
 
 import anyio
 
-from frontend.generation.engine import EngineRequest, Guide, LLMEngine, SamplingOptions, TokenChunk
+from frontend.generation.engine import BufferBudget, EngineRequest, Guide, LLMEngine, SamplingOptions, TokenChunk
 from frontend.openai.errors import OpenAIError, engine_error, invalid_request
 from frontend.parsing.reasoning import ReasoningParser
 from frontend.openai.schemas import SamplingFields
@@ -134,14 +134,17 @@ def new_engine_request_id() -> str:
 
 
 def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: int, tokenizer: Tokenizer,
-                top_logprobs: int | None, prompt_param: str, guide: Guide | None = None) -> list[ChoiceJob]:
+                top_logprobs: int | None, prompt_param: str, guide: Guide | None = None,
+                buffer_bytes: int = 0) -> list[ChoiceJob]:
     """`n` jobs per prompt, indexed prompt-major as OpenAI does. With a seed, choice j uses seed + j so
     that the n choices differ yet the request stays reproducible. Without one, every choice gets a fresh
     random seed: an engine request always carries one, because TensorRT-LLM seeds a request that has none
     with 0 (llmRequest.cpp createChildRequest; TensorRT-LLM #1000, #2411), which would make every unseeded
     sample of a prompt the same. `top_logprobs` is None when the request wants no log-probabilities, else
-    how many alternatives per token (0: the sampled token's only)."""
+    how many alternatives per token (0: the sampled token's only). `buffer_bytes` (0: no limit): the engine
+    output all the jobs together may hold for a client that does not read it (BufferBudget)."""
     jobs = []
+    buffer = BufferBudget(buffer_bytes) if buffer_bytes else None
     for p, prompt_ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(prompt_ids), req.requested_max_tokens, context_length, prompt_param)
         base = SamplingOptions(
@@ -165,7 +168,7 @@ def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: i
         for j in range(req.n):
             seed = secrets.randbits(63) if req.seed is None else (req.seed + j) % 2**63
             options = replace(base, seed=seed)
-            jobs.append(ChoiceJob(p * req.n + j, EngineRequest(new_engine_request_id(), prompt_ids, options)))
+            jobs.append(ChoiceJob(p * req.n + j, EngineRequest(new_engine_request_id(), prompt_ids, options, buffer)))
     return jobs
 
 

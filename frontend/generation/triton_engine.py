@@ -25,7 +25,8 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from frontend.generation.engine import EngineMetadata, EngineRequest, SamplingOptions, TokenChunk
+from frontend.generation.engine import (BufferBudget, EngineMetadata, EngineRequest, SamplingOptions,
+                                       TokenChunk)
 from frontend.openai.errors import OpenAIError, engine_error, invalid_request, service_unavailable, too_many_requests
 
 log = logging.getLogger("frontend")
@@ -282,40 +283,124 @@ class _Ended:
     error: BaseException | None = None
 
 
+# What a stream's queue holds per response at most (TritonEngine's `stream_queue`): a consumer that stops
+# taking (its client stopped reading) stops the reader there, and gRPC's flow control holds the rest.
+STREAM_QUEUE = 64
+
+
+def buffer_exceeded(limit: int) -> OpenAIError:
+    """The error of a request whose client left its output waiting past the request's BufferBudget."""
+    return OpenAIError(503, f"the client read this response too slowly: more than {limit} bytes of generated "
+                            "output waited for it, so the request was ended", "server_error", None,
+                       "client_too_slow")
+
+
+def chunk_bytes(chunk: TokenChunk) -> int:
+    """About what a TokenChunk holds in memory (CPython objects), for the request's BufferBudget."""
+    top = sum(map(len, chunk.top)) if chunk.top is not None else 0
+    return 100 + 40 * len(chunk.token_ids) + (32 * len(chunk.logprobs) if chunk.logprobs is not None else 0) \
+        + 120 * top
+
+
 @dataclass(eq=False)
 class _OpenStream:
     """One engine request's call, read by a task of its own into `responses`.
 
     The consumer of `generate` awaits the queue, never the call: a consumer cancelled while it waits (a
     client gone, a deadline, a sibling choice failed) must not cancel the call, and grpc.aio cancels a call
-    whose reading task is cancelled (`_StreamResponseMixin._read`)."""
+    whose reading task is cancelled (`_StreamResponseMixin._read`).
+
+    What waits for the consumer is bounded (a client that stops reading stops its consumer): the reader hands
+    on each response as a TokenChunk, not the response itself, since a TensorRT-LLM response carries the
+    log-probs of every token so far (`_new_log_probs`: O(n^2) bytes for a stream held whole); it waits while
+    `limit` chunks wait, so that gRPC's flow control holds the call; and every chunk waiting is charged to the
+    request's BufferBudget, past which the request ends (`failure`) and its engine request is stopped. A
+    stream its consumer left (`discard`) is still read to its end, keeping nothing: the stop-by-id path."""
 
     model: str
     version: str
     request_id: str
     call: Any  # the gRPC call, cancelled when the engine behind it is found dead or ignores a stop
     heard_at: float  # time.monotonic() of its last response (or of its start)
-    failure: OpenAIError | None = None  # why the watch cancelled it
-    responses: asyncio.Queue = field(default_factory=asyncio.Queue)
+    options: SamplingOptions = field(default_factory=lambda: SamplingOptions(max_tokens=1))
+    buffer: BufferBudget | None = None
+    limit: int = STREAM_QUEUE
+    on_overflow: Callable[[], None] | None = None  # stops the engine request once the budget is passed
+    failure: OpenAIError | None = None  # why the watch (or the budget) ended it
+    responses: asyncio.Queue = field(default_factory=asyncio.Queue)  # (chunk | None, error) ... then _Ended
+    room: asyncio.Event = field(default_factory=asyncio.Event)  # set when the consumer took, or left
     reader: asyncio.Task | None = None
+    discard: bool = False  # the consumer left, or the budget was passed: what comes is read and dropped
+    waiting: bool = False  # the reader waits for room in `responses`
 
     def start_reading(self) -> None:
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
+    async def next(self) -> Any:
+        """The consumer's next item; its bytes go back to the request's budget."""
+        item = self._taken(await self.responses.get())
+        self.room.set()
+        return item
+
+    def _taken(self, item: Any) -> Any:
+        if self.buffer is not None and isinstance(item, tuple) and item[0] is not None:
+            self.buffer.give(chunk_bytes(item[0]))
+        return item
+
+    def leave(self) -> None:
+        """The consumer has left: drop what waits and all that comes (a waiting reader wakes up)."""
+        self.discard = True
+        while not self.responses.empty():
+            self._taken(self.responses.get_nowait())
+        self.room.set()
+
+    def _chunk(self, result: grpcclient.InferResult) -> TokenChunk | None:
+        """A response's new tokens with only their log-probs, or None when it has no tokens."""
+        token_ids = _new_tokens(result)
+        if not token_ids:
+            return None
+        count, options = len(token_ids), self.options
+        return TokenChunk(token_ids,
+                          _new_log_probs(result, count) if options.logprobs or options.top_logprobs else None,
+                          _top_alternatives(result, count) if options.top_logprobs else None)
+
+    async def _hand_on(self, chunk: TokenChunk | None, error: Any) -> None:
+        while self.responses.qsize() >= self.limit and not self.discard:
+            self.room.clear()
+            self.waiting = True  # on its consumer, not on the engine: no stall (StallWatch)
+            await self.room.wait()
+            self.waiting = False
+            self.heard_at = time.monotonic()
+        if self.discard:
+            return
+        if chunk is not None and self.buffer is not None and not self.buffer.take(chunk_bytes(chunk)):
+            self.failure = buffer_exceeded(self.buffer.limit)
+            self.discard = True
+            self.responses.put_nowait(_Ended())  # after what waits: the consumer then raises `failure`
+            if self.on_overflow is not None:
+                self.on_overflow()
+            return
+        self.responses.put_nowait((chunk, error))
+
     async def _read(self) -> None:
+        ended = _Ended()
         try:
-            async for response in self.call:
+            async for result, error in self.call:
                 self.heard_at = time.monotonic()
-                self.responses.put_nowait(response)
+                if self.discard:
+                    continue
+                chunk = self._chunk(result) if error is None else None
+                if chunk is not None or error is not None:
+                    await self._hand_on(chunk, error)
         except asyncio.CancelledError as exc:  # the call was cancelled (grpc.aio says so this way), or this task
             self.responses.put_nowait(_Ended(exc))
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
+            return
         except Exception as exc:  # grpc.RpcError, InferenceServerException: handed on, raised by the consumer
-            self.responses.put_nowait(_Ended(exc))
-        else:
-            self.responses.put_nowait(_Ended())
+            ended = _Ended(exc)
+        self.responses.put_nowait(ended)
 
 
 class StallWatch:
@@ -345,7 +430,8 @@ class StallWatch:
             while self._streams:
                 await asyncio.sleep(self.stall_s / 2)
                 now = time.monotonic()
-                silent = {(s.model, s.version) for s in self._streams if now - s.heard_at >= self.stall_s}
+                silent = {(s.model, s.version) for s in self._streams
+                          if not s.waiting and now - s.heard_at >= self.stall_s}
                 for model, version in sorted(silent):
                     dead = await self._probe(model, version)
                     if dead is not None:
@@ -365,8 +451,10 @@ class TritonEngine:
     config and the preprocessing model's config for metadata."""
 
     def __init__(self, url: str, engine_model: str, preprocessing_model: str = "preprocessing",
-                 metadata_timeout_s: float = 5.0, control_key: str | None = None, stall_probe_s: float = 2.0):
+                 metadata_timeout_s: float = 5.0, control_key: str | None = None, stall_probe_s: float = 2.0,
+                 stream_queue: int = STREAM_QUEUE):
         self.url = url
+        self._stream_queue = stream_queue
         self._control = {CONTROL_KEY_METADATA: control_key} if control_key else None
         self._stalls = StallWatch(self.probe, stall_probe_s)
         self._ending: set[asyncio.Task[None]] = set()  # `_end_early` tasks, kept until done
@@ -554,33 +642,34 @@ class TritonEngine:
             call = self._client.stream_infer(one_request())
         except InferenceServerException as exc:
             raise service_unavailable("the inference server is unreachable") from exc
-        stream = _OpenStream(triton_request["model_name"], version, request.request_id, call, time.monotonic())
+        stream = _OpenStream(triton_request["model_name"], version, request.request_id, call, time.monotonic(),
+                             options, request.buffer, self._stream_queue)
+        stream.on_overflow = lambda: self._stop_early(stream)
         stream.start_reading()
         self._stalls.open(stream)
-        # Only the outputs this request asked for are looked up (each lookup walks the response's outputs).
-        want_log_probs = options.logprobs or bool(options.top_logprobs)
-        want_top = bool(options.top_logprobs)
         try:
-            while not isinstance(response := await stream.responses.get(), _Ended):
-                result, error = response
+            while not isinstance(response := await stream.next(), _Ended):
+                chunk, error = response
                 if error is not None:
                     raise _about_the_guide(error_for(error, model or self.engine_model), options)
-                token_ids = _new_tokens(result)
-                if not token_ids:
-                    continue
-                count = len(token_ids)
-                yield TokenChunk(token_ids, _new_log_probs(result, count) if want_log_probs else None,
-                                 _top_alternatives(result, count) if want_top else None)
-            if stream.failure is not None:  # the watch cancelled the call
+                yield chunk
+            if stream.failure is not None:  # the watch cancelled the call, or the budget was passed
                 raise stream.failure
             if response.error is not None:
                 raise _stream_failure(response.error) from response.error
         finally:
             self._stalls.close(stream)
-            if not stream.reader.done():  # left before the end: the engine request is stopped
-                ending = asyncio.get_running_loop().create_task(self._end_early(stream))
-                self._ending.add(ending)
-                ending.add_done_callback(self._ending.discard)
+            stream.leave()
+            self._stop_early(stream)
+
+    def _stop_early(self, stream: _OpenStream) -> None:
+        """Stop a stream's engine request (`_end_early`) unless its call has ended or is being stopped."""
+        if stream.reader is None or stream.reader.done() or stream.on_overflow is None:
+            return
+        stream.on_overflow = None  # once
+        ending = asyncio.get_running_loop().create_task(self._end_early(stream))
+        self._ending.add(ending)
+        ending.add_done_callback(self._ending.discard)
 
 
 def _stream_failure(error: BaseException) -> OpenAIError:

@@ -49,7 +49,8 @@ def create_app(settings: Settings, coordinator: str | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = TritonEngine(settings.triton_grpc_url, settings.engine_model, settings.preprocessing_model,
                               settings.triton_timeout_s, control_key=settings.triton_control_key(),
-                              stall_probe_s=settings.engine_stall_probe_s)
+                              stall_probe_s=settings.engine_stall_probe_s,
+                              stream_queue=settings.engine_stream_queue)
         app.state.settings = settings
         app.state.models = ModelRegistry(settings, engine)
         if link is not None:  # from here on, other workers' rollouts reach this registry

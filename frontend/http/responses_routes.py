@@ -21,8 +21,8 @@ from frontend.generation.serving import Generation
 from frontend.http.json_body import OffLoopJSONRoute
 from frontend.http.middleware import RequestContext
 from frontend.http.request_budget import RequestBudget
-from frontend.http.routes import (check_fits_context, check_top_logprobs, model_context, new_generation, off_loop,
-                                  rate_limited, request_context)
+from frontend.http.routes import (check_fits_context, check_top_logprobs, lists_fit, model_context, new_generation,
+                                  off_loop, rate_limited, request_context)
 from frontend.models.registry import ModelContext
 from frontend.openai.schemas import ChatCompletionRequest
 from frontend.planning.chat_plan import ChatPlan
@@ -133,7 +133,7 @@ def open_reasoning(req: ResponsesRequest, seal: ReasoningSeal) -> ResponsesReque
     return req.model_copy(update={"input": items})
 
 
-@router.post(CREATE_ROUTE)
+@router.post(CREATE_ROUTE, dependencies=[Depends(lists_fit)])
 async def create_response(req: ResponsesRequest, request: Request) -> Response:
     caller = owner(request)  # the edge gave the request its deadline, as it gives chat and completions theirs
     responses = service(request)

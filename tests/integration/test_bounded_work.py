@@ -194,3 +194,30 @@ async def off_the_loop_beside_a_live_stream(url: str, pid: int, stream_body: dic
     assert loop_cpu <= all_cpu / 3, (loop_cpu, all_cpu)
     assert len(arrivals) > started, "the stream delivered nothing more"
     return result
+
+
+async def test_a_chat_body_of_110k_messages_is_refused_by_their_number_beside_a_live_stream(
+        slow_frontend_process: tuple[str, subprocess.Popen]) -> None:
+    """3.7 MB of one-character messages: parsed off the event loop (yielding between objects), then refused by
+    their number alone (MAX_MESSAGES) before pydantic would spend seconds of the loop validating them. Where
+    the work ran is decided on CPU time (off_the_loop_beside_a_live_stream); the answer's time and the stream's
+    worst gap are printed, not asserted tightly (benchmarks/backpressure_bench.py measures them)."""
+    url, process = slow_frontend_process
+    big = json.dumps({"model": "demo-tiny", "messages": [{"role": "user", "content": "x"}] * 110_000}).encode()
+    assert 3_500_000 < len(big) <= 4 * 1024 * 1024
+    stream_body = {"model": "demo-tiny", "prompt": "live", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    took: list[float] = []
+
+    async def big_chat(http: httpx.AsyncClient) -> httpx.Response:
+        started = time.monotonic()
+        answer = await http.post(f"{url}/v1/chat/completions", content=big,
+                                 headers={"Content-Type": "application/json"})
+        took.append(time.monotonic() - started)
+        return answer
+
+    answer = await off_the_loop_beside_a_live_stream(url, process.pid, stream_body, big_chat)
+    print(f"\n3.7 MB chat body of 110k messages answered in {took[0] * 1000:.0f} ms")
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["param"], error["code"]) == ("messages", "array_above_max_length") and "110000" in error["message"]
+    assert took[0] < 30  # a hang guard only

@@ -14,7 +14,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from frontend.generation import triton_engine
-from frontend.generation.engine import EngineRequest, SamplingOptions, TokenChunk
+from frontend.generation.engine import BufferBudget, EngineRequest, SamplingOptions, TokenChunk
 from frontend.generation.triton_engine import TritonEngine
 from frontend.openai.errors import OpenAIError
 from tests.unit.test_triton_engine import Result
@@ -188,3 +188,95 @@ async def test_tokens_before_an_error_response_reach_the_consumer_before_the_err
     with pytest.raises(OpenAIError) as raised:
         await tokens.__anext__()
     assert raised.value.status == 500 and "the engine failed" in raised.value.message
+
+
+# ----- what waits for a consumer that stops taking (a client that stops reading) is bounded ----------------
+async def settle() -> None:
+    """Let every task that can run do so (all here is in-process: no time passes, nothing is slept on)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+def trtllm_token(call: FakeCall, token_id: int, so_far: int) -> None:
+    """A streamed TensorRT-LLM response: its one new token, and the log-probs of all `so_far` tokens."""
+    call.responses.put_nowait((Result(output_ids=np.array([[[token_id]]], dtype=np.int32),
+                                      sequence_length=np.array([[1]], dtype=np.int32),
+                                      output_log_probs=np.full((1, 1, so_far), -0.5, dtype=np.float32)), None))
+
+
+def open_stream(engine: TritonEngine) -> triton_engine._OpenStream:
+    (stream,) = engine._stalls._streams
+    return stream
+
+
+async def test_a_consumer_that_stops_taking_stops_the_reader_and_only_new_log_probs_wait() -> None:
+    fake = FakeTriton()
+    engine = engine_on(fake)
+    engine._stream_queue = 4
+    tokens = engine.generate(EngineRequest("req-1", [1], SamplingOptions(max_tokens=100, logprobs=True)))
+    reading = asyncio.ensure_future(tokens.__anext__())
+    call = await started(fake)
+    for i in range(1, 21):
+        trtllm_token(call, i, so_far=i * 1000)  # log-probs of far more tokens than the response carries
+    first = await reading
+    assert first.token_ids == [1] and first.logprobs == [-0.5]
+    await settle()
+    stream = open_stream(engine)
+    waiting = [item for item in stream.responses._queue]  # type: ignore[attr-defined]
+    assert len(waiting) == 4  # the bound; the reader holds one more, waiting for room
+    assert call.responses.qsize() == 20 - 1 - 4 - 1  # the rest is left in the call (gRPC's flow control)
+    assert all(len(chunk.logprobs) == 1 for chunk, _ in waiting)  # only the new token's of 2,000+
+    call.end()
+    rest = [chunk async for chunk in tokens]  # the consumer takes again: every token, in order
+    assert [t for chunk in [first, *rest] for t in chunk.token_ids] == list(range(1, 21))
+    assert not engine._ending and fake.stops == []
+
+
+async def test_a_consumer_that_leaves_while_the_reader_waits_for_room_still_has_its_call_read_to_the_end() -> None:
+    fake = FakeTriton()
+    engine = engine_on(fake)
+    engine._stream_queue = 2
+    engine2, tokens, call = engine, engine.generate(request()), None
+    reading = asyncio.ensure_future(tokens.__anext__())
+    call = await started(fake)
+    for i in range(10):
+        call.token(i)
+    await reading
+    await settle()  # the reader waits for room
+    await tokens.aclose()
+    await asyncio.wait_for(asyncio.gather(*engine2._ending), 5)
+    assert fake.stops == ["req-1"] and call.ended and not call.cancelled and call.responses.empty()
+
+
+async def test_output_past_the_requests_buffer_budget_ends_it_with_a_clear_error() -> None:
+    """Two choices of one request share its budget; a client that reads nothing makes the waiting output pass
+    it: the engine request is stopped by id (its call read to the end), and the consumer, once it takes
+    again, gets what waited, then a 503 `client_too_slow`; the budget is all given back."""
+    fake = FakeTriton()
+    engine = engine_on(fake)
+    budget = BufferBudget(limit=10 * triton_engine.chunk_bytes(TokenChunk([1], [0.0])))
+    options = SamplingOptions(max_tokens=100, logprobs=True)
+    tokens = engine.generate(EngineRequest("req-1", [1], options, budget))
+    other = engine.generate(EngineRequest("req-2", [1], options, budget))
+    reading, other_reading = asyncio.ensure_future(tokens.__anext__()), asyncio.ensure_future(other.__anext__())
+    while len(fake.calls) < 2:
+        await started(fake)
+    call, other_call = sorted(fake.calls, key=lambda c: c.request["request_id"])
+    for i in range(4):
+        trtllm_token(other_call, i, so_far=i + 1)
+    await other_reading
+    await settle()
+    for i in range(40):
+        trtllm_token(call, i, so_far=i + 1)
+    await reading
+    await asyncio.wait_for(asyncio.gather(*engine._ending), 5)
+    assert fake.stops == ["req-1"] and call.ended and not call.cancelled  # stopped by id, read to the end
+    taken = 1
+    with pytest.raises(OpenAIError) as raised:
+        async for _ in tokens:
+            taken += 1
+    assert 1 < taken < 12 and raised.value.status == 503 and raised.value.code == "client_too_slow"
+    assert "too slowly" in raised.value.message
+    other_call.end()
+    assert len([chunk async for chunk in other]) == 3
+    assert budget.held == 0

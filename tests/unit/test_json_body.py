@@ -145,3 +145,54 @@ def test_the_off_loop_parse_fails_as_json_loads_does(text: str) -> None:
 ])
 def test_raw_prompts_tell_the_shapes_apart_by_the_first_item(body: Any, prompts: list) -> None:
     assert raw_prompts(body) == prompts
+
+
+def post_to(client: TestClient, route: str, body: Any) -> tuple[int, dict]:
+    response = client.post(route, content=json.dumps(body, separators=(",", ":")).encode(),
+                           headers={"Content-Type": "application/json"})
+    return response.status_code, response.json()
+
+
+@pytest.mark.parametrize(("route", "field", "item", "limit"), [
+    ("/v1/chat/completions", "messages", {"role": "user", "content": "x"}, "max_messages"),
+    ("/tokenize", "messages", {"role": "user", "content": "x"}, "max_messages"),
+    ("/v1/chat/completions", "tools", {"type": "function", "function": {"name": "f"}}, "max_tools"),
+])
+def test_too_many_items_are_refused_before_validation_naming_the_field(
+        client: TestClient, validated: list[Any], route: str, field: str, item: dict, limit: str) -> None:
+    """110k one-character messages (a 3.7 MB body) cost seconds of validation on the event loop: counted first."""
+    most = getattr(client.app.state.settings, limit)  # type: ignore[attr-defined]
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: [item] * (most + 1)}
+    status, answer = post_to(client, route, body)
+    assert status == 400, answer
+    error = answer["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", field, "array_above_max_length")
+    assert f"at most {most}" in error["message"] and str(most + 1) in error["message"]
+    assert not validated
+    big = {"model": "m", "messages": [{"role": "user", "content": "x"}] * 110_000}
+    assert post_to(client, "/v1/chat/completions", big)[1]["error"]["param"] == "messages"
+    assert not validated
+
+
+def test_responses_input_items_are_counted_before_validation(validated: list[Any]) -> None:
+    from frontend.http import responses_routes
+
+    settings = Settings(max_input_items=3)
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(responses_routes.router)
+    app.add_middleware(EdgeMiddleware, edge=Edge(settings))
+    app.state.settings = settings
+    status, answer = post_to(TestClient(app), "/v1/responses",
+                             {"model": "m", "input": [{"role": "user", "content": "x"}] * 4})
+    assert status == 400 and answer["error"]["param"] == "input", answer
+    assert not validated
+
+
+def test_a_body_of_small_objects_and_no_numbers_is_parsed_yielding_the_gil(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[int] = []
+    make = json_body._object
+    monkeypatch.setattr(json_body, "_object", lambda pairs: (made.append(1), make(pairs))[1])
+    text = json.dumps({"messages": [{"role": "user", "content": "x"}] * 3})
+    assert json_body.parse_json(text.encode()) == json.loads(text)
+    assert len(made) == 4  # every object through the Python-level hook, where the interpreter may switch threads
