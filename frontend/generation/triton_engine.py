@@ -87,10 +87,16 @@ def is_client_error(error: InferenceServerException) -> bool:
     return any(words in message for words in ENGINE_CLIENT_ERRORS)
 
 
+# TensorRT-LLM's TLLM_THROW / TLLM_CHECK texts go on with " (<absolute source path>:<line>)" and a stack trace
+# (tllmException.h): the message is what comes before (tests/trtllm_contract/rules.py tllm_error).
+SOURCE_LOCATION = " (/"
+
+
 def client_message(message: str | None) -> str:
-    """An engine's message as clients may see it: one line, bounded, with no gRPC debug details (which
-    name peers, addresses and source files)."""
-    text = " ".join((message or "").split())
+    """An engine's message as clients may see it: one line, bounded, with no source location or stack trace
+    (TensorRT-LLM's) and no gRPC debug details (which name peers, addresses and source files). The log keeps
+    the whole text (error_for)."""
+    text = " ".join((message or "").split(SOURCE_LOCATION, 1)[0].split())
     for marker in (" debug_error_string", " {created_time", " {grpc_"):
         text = text.split(marker, 1)[0]
     if len(text) > MAX_ENGINE_MESSAGE:
@@ -103,6 +109,8 @@ def error_for(error: InferenceServerException, engine_model: str) -> OpenAIError
     failed and refuses new requests, 429 when its queue is full (the client may retry), 400 when it refused
     what the client sent, else 500."""
     message = error.message() or ""
+    if SOURCE_LOCATION in message:  # the client gets the message only: the whole text goes to the log
+        log.warning("engine error on %s: %s", engine_model, message)
     if _model_gone(error):
         return service_unavailable(f"the engine model {engine_model!r} is not loaded")
     if any(words in message for words in ENGINE_UNAVAILABLE):
@@ -340,6 +348,9 @@ class StallWatch:
     def close(self, stream: _OpenStream) -> None:
         self._streams.discard(stream)
 
+    def streams_of(self, model: str, version: str) -> list[_OpenStream]:
+        return [s for s in self._streams if (s.model, s.version) == (model, version)]
+
     async def _watch(self) -> None:
         try:
             while self._streams:
@@ -464,6 +475,19 @@ class TritonEngine:
             return None
         message = error.message() or ""
         return message if STUB_DEAD in message or _model_gone(error) else None
+
+    def retire(self, model: str | None, version: str, failure: OpenAIError) -> int:
+        """End every request open on this model version with `failure` (a swap rollout past its grace: Triton
+        would otherwise wait for each to run to its end before it unloads the version). Each is stopped by
+        id and its call read to the end (`_end_early`); its consumer then gets `failure`. Returns how many."""
+        streams = self._stalls.streams_of(model or self.engine_model, version)
+        for stream in streams:
+            if stream.failure is None:
+                stream.failure = failure
+                ending = asyncio.get_running_loop().create_task(self._end_early(stream))
+                self._ending.add(ending)
+                ending.add_done_callback(self._ending.discard)
+        return len(streams)
 
     async def _end_early(self, stream: _OpenStream) -> None:
         """Stop a request its consumer left before its end, and read its call to the end (the reader task
