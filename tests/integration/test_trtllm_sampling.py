@@ -196,6 +196,8 @@ async def test_a_request_past_the_executors_queue_is_a_429_and_the_others_comple
     error = refused.json()["error"]
     assert error["code"] == "overloaded"
     assert rules.QUEUE_FULL.format(max_queue_size=QUEUE) in error["message"]
+    for leak in ("(/", "executorImpl.cpp", "throwRuntimeError"):  # the double's TLLM_THROW shape (rules.tllm_error)
+        assert leak not in error["message"], error["message"]
     for answer in answers:
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["finish_reason"] == "length"
