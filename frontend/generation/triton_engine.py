@@ -262,11 +262,19 @@ CONTROL_KEY_METADATA = "triton-grpc-protocol-triton-control-key"
 # READY and its open streams get nothing more, ever (launcher/engine_health.py has the measurements).
 STUB_DEAD = "is not healthy"
 PROBE_TIMEOUT_S = 5.0
-# A request ended early is stopped by id (`stop_inputs`) and its call read to the end; the stop is sent again
-# every STOP_RESEND_S (a request still queued in Triton, not yet in the engine, is not found by the first),
-# and the call is cancelled after STOP_GRACE_S without an end.
+# A request ended early is stopped by id (`stop_inputs`) and its call read to the end. The TensorRT-LLM backend
+# remembers a stop for a request it holds (executorImpl.cpp cancelRequest: mCancelledReqIds) and ends the request
+# once the executor schedules it (terminateCancelledRequests checks only active requests, forwardSync ends only
+# scheduled ones): a queued request still runs its prefill first. So the stop is sent again only for a request
+# that may still be queued in Triton ahead of the backend (which a stop cannot find), after STOP_RESEND_S,
+# doubling up to STOP_RESEND_MAX_S. The call is cancelled (and logged, once) only past a grace: STOP_GRACE_S for
+# a request that has produced a token (scheduled), STOP_GRACE_QUEUED_S for one that has not: under saturation
+# its turn may come later than 10 s, and cancelling the call would reach the same cancelRequest (WaitForCancel)
+# while it risks tritonserver 2.51's cancellation race (one leaked request keeps its model from unloading).
 STOP_RESEND_S = 1.0
+STOP_RESEND_MAX_S = 4.0
 STOP_GRACE_S = 10.0
+STOP_GRACE_QUEUED_S = 60.0
 CLOSE_GRACE_S = 2.0  # how long closing the engine client waits for requests being stopped
 
 
@@ -303,6 +311,7 @@ class _OpenStream:
     request_id: str
     call: Any  # the gRPC call, cancelled when the engine behind it is found dead or ignores a stop
     heard_at: float  # time.monotonic() of its last response (or of its start)
+    scheduled: bool = False  # a response came: the engine has taken it into its batch (streamed: one per step)
     failure: OpenAIError | None = None  # why the watch cancelled it
     responses: asyncio.Queue = field(default_factory=asyncio.Queue)
     reader: asyncio.Task | None = None
@@ -314,6 +323,7 @@ class _OpenStream:
         try:
             async for response in self.call:
                 self.heard_at = time.monotonic()
+                self.scheduled = True
                 self.responses.put_nowait(response)
         except asyncio.CancelledError as exc:  # the call was cancelled (grpc.aio says so this way), or this task
             self.responses.put_nowait(_Ended(exc))
@@ -492,20 +502,22 @@ class TritonEngine:
     async def _end_early(self, stream: _OpenStream) -> None:
         """Stop a request its consumer left before its end, and read its call to the end (the reader task
         does); cancel the call only when the engine has not ended the request within STOP_GRACE_S or the
-        stop cannot be sent."""
+        stop cannot be sent. Resends and grace: see STOP_RESEND_S."""
         assert stream.reader is not None
-        deadline = time.monotonic() + STOP_GRACE_S
+        grace = STOP_GRACE_S if stream.scheduled else STOP_GRACE_QUEUED_S
+        deadline, resend = time.monotonic() + grace, STOP_RESEND_S
         try:
             while not stream.reader.done() and time.monotonic() < deadline:
                 try:
                     await self._stop(stream.model, stream.version, stream.request_id)
                 except (asyncio.TimeoutError, grpc.RpcError, InferenceServerException):
                     return  # Triton does not take the stop: cancelling the call is all that is left
-                await asyncio.wait({stream.reader}, timeout=max(0.0, min(STOP_RESEND_S, deadline - time.monotonic())))
+                await asyncio.wait({stream.reader}, timeout=max(0.0, min(resend, deadline - time.monotonic())))
+                resend = min(2 * resend, STOP_RESEND_MAX_S)
         finally:
             if not stream.reader.done():
                 log.warning("engine request %s did not end within %.0f s of its stop: cancelling its call",
-                            stream.request_id, STOP_GRACE_S)
+                            stream.request_id, grace)
                 stream.call.cancel()
 
     async def _parameters(self, model: str) -> dict[str, str]:

@@ -13,7 +13,8 @@ What the model does (each rule and its upstream source: rules.py):
   and rules.check_interface() (the template's tensors as upstream declares them) before anything else;
   then the production model loads.
 - execute: a `stop` request is answered as upstream answers it (an error without a request id; else the
-  request with that id is cancelled and the stop request gets an empty FINAL response). Any other request
+  request with that id is cancelled, once it has been scheduled: rules.STOP_TAKES_EFFECT_WHEN_SCHEDULED, and
+  the stop request gets an empty FINAL response). Any other request
   is checked (rules.request_violation()); what upstream refuses at enqueue gets upstream's error at once;
   the rest goes to the production `_enqueue`, with a response sink that shapes responses as upstream does
   (rules.ResponseShaper), refuses a request that did not ask for output_ids / sequence_length in place of
@@ -203,12 +204,15 @@ class FinishableSender:
     def __init__(self, sender: Any):
         self._sender = sender
         self.finished = False
+        self.scheduled = False  # the request has had a step (rules.STOP_TAKES_EFFECT_WHEN_SCHEDULED)
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         return self._sender.send(*args, **kwargs)
 
     def is_cancelled(self) -> bool:
-        return self.finished or self._sender.is_cancelled()
+        """Triton's cancellation reaches the executor's cancelRequest() (WaitForCancel), which ends a request
+        only once it is scheduled (rules.STOP_TAKES_EFFECT_WHEN_SCHEDULED): not asked before then."""
+        return self.finished or (self.scheduled and self._sender.is_cancelled())
 
 
 @dataclass(frozen=True)
@@ -247,9 +251,25 @@ def _build_model_class() -> type:
             self.done = False
             self.terminated: str | None = None  # rules.GUIDE_FAILS_THE_BATCH: the batch's error, sent next
             self.guided_without_end_id = pending.guided_without_end_id
+            self.stop_pending = False  # a stop arrived before the request was scheduled
+            self.stopping = False  # cancelled in the engine: what it still sends is dropped (clearGeneratedTokens)
+
+        def stop(self) -> None:
+            """A stop request for this request (rules.STOP_TAKES_EFFECT_WHEN_SCHEDULED): ends it at once when
+            it has been scheduled, else after its first step (its prefill runs first). Runs in execute()."""
+            if self.sender.scheduled:
+                self.model.engine.cancel(self.request)
+            else:
+                self.stop_pending = True
 
         def send(self, tokens, finish) -> None:
             if self.done:
+                return
+            self.sender.scheduled = True
+            if self.stop_pending and not self.stopping:  # its first step ran: the stop now ends it, tokens dropped
+                self.stopping = True
+                self.model.engine.cancel(self.request)
+            if self.stopping and finish is None:
                 return
             if self.terminated is not None:  # the batch failed (a guide): no token after it, only the error
                 self.send_error(self.terminated)
@@ -379,7 +399,7 @@ def _build_model_class() -> type:
                 with self._lock:
                     target = self._latest.get(triton_id)
                 if target is not None and target.request is not None:
-                    self.engine.cancel(target.request)  # ends with a plain FINAL response
+                    target.stop()  # ends with a plain FINAL response, once it has been scheduled
                 sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
                 return
             violation = rules.request_violation(inputs, request.requested_output_names(), self.decoupled)

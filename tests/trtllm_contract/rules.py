@@ -580,6 +580,18 @@ def is_stop_request(inputs: Mapping[str, np.ndarray]) -> bool:
     return first_flag(inputs, "stop")
 
 
+# Audit round 3, R2: model_instance_state.cc handleStopRequest() @0c8de69a -> executor cancelRequest(), which only
+# adds the id to mCancelledReqIds; executorImpl.cpp terminateCancelledRequests() @036a60f7 checks that set against
+# the active requests only (fetchNewRequests() never looks at it), and trtGptModelInflightBatching.cpp
+# terminateRequestSync() acts in forwardSync() on the scheduled batch only. So a stopped request that is still
+# queued (or active but not scheduled under guaranteed_no_evict) runs its first step, its prefill, before it ends
+# (kCANCELLED: clearGeneratedTokens(), a FINAL response with no tokens). Triton's own cancellation reaches the
+# same cancelRequest() (model_instance_state.cc WaitForCancel): it too waits for the request's turn.
+STOP_TAKES_EFFECT_WHEN_SCHEDULED = (f"{MIS} handleStopRequest @{COMMITS[MIS][:8]} / WaitForCancel -> cancelRequest; "
+                                    "executorImpl.cpp terminateCancelledRequests @036a60f7; "
+                                    "trtGptModelInflightBatching.cpp terminateRequestSync (forwardSync)")
+
+
 def stop_request_error(request_id: str) -> str | None:
     """handleStopRequest(): a stop request needs the Triton request id of the requests to stop. With one, the
     stop request gets an empty FINAL response (no outputs, no error) whether or not anything matched."""
@@ -1094,6 +1106,8 @@ RULES: tuple[Rule, ...] = (
          "guide's mask, temperature, penalties (prompt counted), min_tokens and bad words; the double refuses "
          "what it cannot compute (log_prob_rule)", SAMPLER_SOURCES["penalties"], LOG_PROBS_NOT_MODELLED),
     Rule("max_queue_size > 0 requests already wait for the executor", SAMPLER_SOURCES["queue"], QUEUE_FULL),
+    Rule("a stop (or Triton's cancellation) for a request not yet scheduled ends it only after its first step "
+         "(its prefill), with no tokens", STOP_TAKES_EFFECT_WHEN_SCHEDULED, "(no error: an empty FINAL response)"),
     Rule("a guided request with end_id -1 reaches a complete document: EVERY active request fails (the frontend "
          "keeps the end id under a guide, frontend/planning/sampling.py)", GUIDE_WITHOUT_END_ID_SOURCE,
          EXECUTOR_ERROR.format(request_id="<id>", message=FORWARD_ASYNC_ERROR + STOP_TOKEN_ACCEPTED)),
