@@ -5,16 +5,19 @@ message of an engine error)."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from frontend.generation.engine import Guide, SamplingOptions
+from frontend.generation.engine import EngineMetadata, Guide, SamplingOptions
 from frontend.generation.triton_engine import client_message, error_for
 from frontend.openai.errors import OpenAIError
 from frontend.openai.schemas import SamplingFields
+from frontend.planning.guide_budget import NewGuideBudget
+from frontend.planning.guide_check import check_guides
 from frontend.planning.sampling import TRTLLM_TOP_K_MAX, check_top_k, engine_sampling
 from tests.trtllm_contract import rules
 from tests.unit.test_trtllm_contract import FRONTEND_OUTPUTS, backend_inputs, frontend_request
@@ -139,3 +142,45 @@ def test_planning_changes_only_ignore_eos_and_min_tokens() -> None:
 def replace_dump(req: SamplingFields, **changes: Any) -> dict[str, Any]:
     return {**req.model_dump(), **changes}
 
+
+
+# ----- R3: new guides per TensorRT-LLM model per minute ----------------------------------------------------------
+def test_only_new_guides_count_against_the_budget() -> None:
+    now = [0.0]
+    budget = NewGuideBudget(limit=2, window_s=60, clock=lambda: now[0])
+    assert budget.admit("m", "a") is None and budget.admit("m", "b") is None
+    assert budget.admit("m", "a") is None  # seen: the engine has it compiled, nothing more to pay
+    assert budget.admit("m", "c") == 60  # a third new one within the minute
+    assert budget.admit("other", "c") is None  # per model
+    now[0] = 30.0
+    assert budget.admit("m", "c") == 30
+    now[0] = 60.0
+    assert budget.admit("m", "c") is None  # the first two have left the window
+    assert NewGuideBudget(limit=0).admit("m", "x") is None  # 0: off
+
+
+class TrtllmEngine:
+    model = "tensorrt_llm"
+
+    def __init__(self, log_probs: str):
+        self.log_probs = log_probs
+
+    async def metadata(self) -> EngineMetadata:
+        return EngineMetadata("fake", None, 512, log_probs=self.log_probs)
+
+
+async def test_past_the_budget_a_new_guide_is_a_429_on_tensorrt_llm_only() -> None:
+    state = SimpleNamespace(settings=SimpleNamespace(guides_per_minute=1, guide_compile_threads=1,
+                                                     guide_compile_timeout_s=2.0))
+    first, second = Guide("regex", "a+", "guided_regex"), Guide("regex", "b+", "guided_regex")
+    gpu = TrtllmEngine("sampling")
+    await check_guides(state, gpu, first)
+    await check_guides(state, gpu, first)  # seen before
+    with pytest.raises(OpenAIError) as caught:
+        await check_guides(state, gpu, second)
+    error = caught.value
+    assert error.status == 429 and error.param == "guided_regex" and error.code == "guide_rate_exceeded"
+    assert int(error.headers["Retry-After"]) >= 1 and "GUIDES_PER_MINUTE" in error.message
+    cpu = TrtllmEngine("model")
+    for text in ("c+", "d+", "e+"):  # the CPU engine compiles on threads of its own: no budget
+        await check_guides(state, cpu, Guide("regex", text, "guided_regex"))
