@@ -269,8 +269,10 @@ def _build_model_class() -> type:
             if self.stop_pending and not self.stopping:  # its first step ran: the stop now ends it, tokens dropped
                 self.stopping = True
                 self.model.engine.cancel(self.request)
-            if self.stopping and finish is None:
-                return
+            if self.stopping:  # kCANCELLED: clearGeneratedTokens(), the FINAL response carries none
+                if finish is None:
+                    return
+                tokens = []
             if self.terminated is not None:  # the batch failed (a guide): no token after it, only the error
                 self.send_error(self.terminated)
                 return
