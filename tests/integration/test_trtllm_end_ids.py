@@ -53,7 +53,8 @@ def test_a_guided_request_with_end_id_minus_1_fails_every_active_request(stack: 
 
 
 @pytest.mark.parametrize("options, refusal", [
-    (SamplingOptions(max_tokens=4, ignore_eos=True, min_tokens=3), rules.MIN_TOKENS_WITHOUT_END_ID.format(min_tokens=3)),
+    (SamplingOptions(max_tokens=4, ignore_eos=True, min_tokens=3),
+     rules.MIN_TOKENS_WITHOUT_END_ID.format(min_tokens=3)),
     (SamplingOptions(max_tokens=4, top_k=1025), rules.TOP_K_CLIPPED.format(top_k=1025)),
 ], ids=["min_tokens-without-end-id", "top_k-above-1024"])
 def test_the_double_refuses_what_upstream_would_corrupt_or_clip(stack: Stack, options: SamplingOptions,
