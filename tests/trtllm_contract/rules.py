@@ -771,8 +771,9 @@ GUIDED_WITHOUT_END_ID_LOG = (DOUBLE + "a guided request with end_id -1: once its
                              "every active request (" + GUIDE_WITHOUT_END_ID_SOURCE + ")")
 # R1. kernels/penaltyKernels.cu batchApplyPenalty() @249d93d5: while step < minLength it writes
 # logits[endIds[slot]] = MASK_VAL, with no guard for endId -1 (layers/penaltyLayer.cpp setup() has none either):
-# the float before the request's logit row (before the buffer for row 0). The double refuses the pair.
-MIN_TOKENS_WITHOUT_END_ID = (DOUBLE + "min_tokens {min_tokens} with end_id -1: TensorRT-LLM's "
+# the float before the request's logit row (before the buffer for row 0). A request without an end_id input gets
+# -1 too (batch_manager/createNewDecoderRequests.cpp: llmReq->mEndId.value_or(-1)). The double refuses both.
+MIN_TOKENS_WITHOUT_END_ID = (DOUBLE + "min_tokens {min_tokens} with end_id -1 (or none): TensorRT-LLM's "
                              "kernels/penaltyKernels.cu batchApplyPenalty() @249d93d5 would write logits[-1] "
                              "(out of bounds) at every step before min_tokens")
 # R4. kernels/samplingTopKKernels.h TOP_K_MAX; layers/topKSamplingLayer.cpp setup() @03961722 clampTopK(): a
@@ -792,8 +793,8 @@ def guided_without_end_id(item: Mapping[str, np.ndarray]) -> bool:
 
 
 def min_tokens_without_end_id(item: Mapping[str, np.ndarray]) -> bool:
-    """R1: min_tokens > 0 with end_id -1 (MIN_TOKENS_WITHOUT_END_ID)."""
-    return _singleton(item, "end_id") == -1 and int(_singleton(item, "min_tokens") or 0) > 0
+    """R1: min_tokens > 0 with end_id -1 or no end_id (MIN_TOKENS_WITHOUT_END_ID)."""
+    return _singleton(item, "end_id") in (-1, None) and int(_singleton(item, "min_tokens") or 0) > 0
 
 
 # R6. TLLM_THROW / TLLM_CHECK texts carry " (<file>:<line>)" and a stack trace after the message

@@ -184,3 +184,9 @@ async def test_past_the_budget_a_new_guide_is_a_429_on_tensorrt_llm_only() -> No
     cpu = TrtllmEngine("model")
     for text in ("c+", "d+", "e+"):  # the CPU engine compiles on threads of its own: no budget
         await check_guides(state, cpu, Guide("regex", text, "guided_regex"))
+
+
+def test_no_end_id_input_is_end_id_minus_1_for_min_tokens() -> None:
+    """createNewDecoderRequests.cpp: mEndId.value_or(-1)."""
+    request = frontend_request(min_tokens=np.array([2], dtype=np.int32))  # no end_id input at all
+    assert rules.check_request(request, FRONTEND_OUTPUTS, True) == rules.MIN_TOKENS_WITHOUT_END_ID.format(min_tokens=2)
