@@ -190,3 +190,17 @@ def test_no_end_id_input_is_end_id_minus_1_for_min_tokens() -> None:
     """createNewDecoderRequests.cpp: mEndId.value_or(-1)."""
     request = frontend_request(min_tokens=np.array([2], dtype=np.int32))  # no end_id input at all
     assert rules.check_request(request, FRONTEND_OUTPUTS, True) == rules.MIN_TOKENS_WITHOUT_END_ID.format(min_tokens=2)
+
+
+def test_without_an_eos_min_tokens_is_not_sent() -> None:
+    """A tokenizer without an eos: no end_id goes out, which TensorRT-LLM reads as -1 (R1)."""
+    from frontend.generation.serving import choice_jobs
+    from frontend.openai.schemas import CompletionRequest
+    from tests.unit.test_serving import TOKENIZER
+
+    req = CompletionRequest(model="m", prompt="p", max_tokens=5, min_tokens=3)
+    [job] = choice_jobs(req, [[1]], 512, SimpleNamespace(**{**vars(TOKENIZER), "eos_token_id": None,
+                                                            "end_token_ids": (), "pad_token_id": None}), None, "p")
+    assert job.request.options.min_tokens == 0
+    [job] = choice_jobs(req, [[1]], 512, TOKENIZER, None, "p")
+    assert job.request.options.min_tokens == 3 and job.request.options.eos_token_id is not None
