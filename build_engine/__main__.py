@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +24,15 @@ from build_engine.pipeline import (
 )
 
 EXIT_USAGE = 2
+# The multinode overlay's GPUs per pod (deploy/kubernetes/overlays/multinode: the leader's launcher.mpi reads it,
+# and the engine Job gets the same value), the engine's --gpus_per_node.
+GPUS_PER_POD_ENV = "MPI_LWS_GPUS_PER_POD"
+
+
+def gpus_per_pod() -> int:
+    """The default --gpus-per-node: $MPI_LWS_GPUS_PER_POD when set, else trtllm-build's own default."""
+    value = os.environ.get(GPUS_PER_POD_ENV, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else trtllm.DEFAULT_GPUS_PER_NODE
 
 
 def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool, argparse.Namespace]:
@@ -75,6 +85,10 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool, argpar
     trt.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size = GPUs per engine (default: 1)")
     trt.add_argument("--pp-size", type=int, default=1,
                      help="pipeline-parallel stages (default: 1); the engine's world size is TP x PP")
+    trt.add_argument("--gpus-per-node", type=int, default=gpus_per_pod(),
+                     help="GPUs per node the engine runs on (rank r uses GPU r %% this); default: "
+                          f"${GPUS_PER_POD_ENV} (the multinode overlay's GPUs per pod), else "
+                          f"{trtllm.DEFAULT_GPUS_PER_NODE}")
     trt.add_argument("--weight-only", choices=trtllm.WEIGHT_ONLY, help="weight-only quantization")
     trt.add_argument("--kv-cache-dtype", choices=trtllm.KV_CACHE_DTYPES, help="quantized KV cache (Llama/Mistral)")
     trt.add_argument(
@@ -120,6 +134,7 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool, argpar
         max_input_len=args.max_input_len,
         tp_size=args.tp_size,
         pp_size=args.pp_size,
+        gpus_per_node=args.gpus_per_node,
         weight_only=args.weight_only,
         kv_cache_dtype=args.kv_cache_dtype,
         trtllm_examples_dir=args.trtllm_examples_dir,

@@ -55,6 +55,7 @@ class BuildRequest:
     max_input_len: int | None = None
     tp_size: int = 1
     pp_size: int = 1
+    gpus_per_node: int = trtllm.DEFAULT_GPUS_PER_NODE
     weight_only: str | None = None
     kv_cache_dtype: str | None = None
     trtllm_examples_dir: Path = trtllm.DEFAULT_EXAMPLES_DIR
@@ -155,6 +156,7 @@ def _trtllm_options(request: BuildRequest) -> trtllm.TrtllmOptions:
         dtype=request.dtype or "auto",
         tp_size=request.tp_size,
         pp_size=request.pp_size,
+        gpus_per_node=request.gpus_per_node,
         weight_only=request.weight_only,
         kv_cache_dtype=request.kv_cache_dtype,
         max_input_len=request.max_input_len,

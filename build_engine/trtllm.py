@@ -51,6 +51,7 @@ DEFAULT_MAX_SEQ_LEN_CAP = 8192
 DEFAULT_MAX_NUM_TOKENS = 8192
 
 CHECKPOINT_SUBDIR = "trtllm_checkpoint"
+DEFAULT_GPUS_PER_NODE = 8  # trtllm-build's own default (--gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class TrtllmOptions:
     dtype: str = "auto"
     tp_size: int = 1
     pp_size: int = 1  # pipeline stages (world size = TP x PP): TP within a node, PP across nodes
+    # The engine's gpus_per_node: at run time rank r uses GPU r % gpus_per_node of its node (WorldConfig::mpi),
+    # so it must be the GPUs per pod of a multi-node deployment (MPI_LWS_GPUS_PER_POD, __main__.py).
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     weight_only: str | None = None
     kv_cache_dtype: str | None = None
     max_input_len: int | None = None
@@ -122,6 +126,8 @@ def plan_build(
         raise BuildError(f"--tp-size must be at least 1, got {options.tp_size}")
     if options.pp_size < 1:
         raise BuildError(f"--pp-size must be at least 1, got {options.pp_size}")
+    if options.gpus_per_node < 1:
+        raise BuildError(f"--gpus-per-node must be at least 1, got {options.gpus_per_node}")
     if options.weight_only is not None and options.weight_only not in WEIGHT_ONLY:
         raise BuildError(f"--weight-only must be one of {WEIGHT_ONLY}, got {options.weight_only!r}")
     if options.kv_cache_dtype is not None:
@@ -175,6 +181,7 @@ def plan_build(
         # trtllm-build puts rank r's build on GPU r % workers: one worker per GPU of one node (the Job's TP_SIZE
         # GPUs), whatever the number of pipeline stages.
         "--workers", str(options.tp_size),
+        "--gpus_per_node", str(options.gpus_per_node),
     ]
     return TrtllmPlan(family, dtype, max_input_len, trt_checkpoint, engine_dir, [convert, build])
 

@@ -131,6 +131,8 @@ class Settings(BaseSettings):
                                                             "before any engine sees them, off the event loop")
     guide_compile_timeout_s: float = Field(2.0, gt=0, description="a guide that takes longer to compile is a 400 "
                                                                   "(the engine would stall every request as long)")
+    guides_per_minute: int = Field(60, ge=0, description="new guides (schemas, regexes, grammars not sent before) "
+                                                         "per TensorRT-LLM model per minute; past it: 429 (0: off)")
     limit_concurrency: int = Field(1024, ge=1, description="most open connections and tasks (uvicorn); past "
                                                            "it: 503")
     timeout_keep_alive_s: float = Field(5.0, gt=0, description="how long an idle keep-alive connection stays open")

@@ -156,7 +156,8 @@ def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: i
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
-            min_tokens=min(req.min_tokens, max_tokens),
+            # With no end id min_tokens holds nothing back, and TensorRT-LLM would mask logits[-1] (audit R1).
+            min_tokens=min(req.min_tokens, max_tokens) if tokenizer.eos_token_id is not None else 0,
             eos_token_id=tokenizer.eos_token_id,
             extra_end_ids=tuple(i for i in tokenizer.end_token_ids if i != tokenizer.eos_token_id),
             pad_token_id=tokenizer.pad_token_id,

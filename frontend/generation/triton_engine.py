@@ -88,10 +88,16 @@ def is_client_error(error: InferenceServerException) -> bool:
     return any(words in message for words in ENGINE_CLIENT_ERRORS)
 
 
+# TensorRT-LLM's TLLM_THROW / TLLM_CHECK texts go on with " (<absolute source path>:<line>)" and a stack trace
+# (tllmException.h): the message is what comes before (tests/trtllm_contract/rules.py tllm_error).
+SOURCE_LOCATION = " (/"
+
+
 def client_message(message: str | None) -> str:
-    """An engine's message as clients may see it: one line, bounded, with no gRPC debug details (which
-    name peers, addresses and source files)."""
-    text = " ".join((message or "").split())
+    """An engine's message as clients may see it: one line, bounded, with no source location or stack trace
+    (TensorRT-LLM's) and no gRPC debug details (which name peers, addresses and source files). The log keeps
+    the whole text (error_for)."""
+    text = " ".join((message or "").split(SOURCE_LOCATION, 1)[0].split())
     for marker in (" debug_error_string", " {created_time", " {grpc_"):
         text = text.split(marker, 1)[0]
     if len(text) > MAX_ENGINE_MESSAGE:
@@ -104,6 +110,8 @@ def error_for(error: InferenceServerException, engine_model: str) -> OpenAIError
     failed and refuses new requests, 429 when its queue is full (the client may retry), 400 when it refused
     what the client sent, else 500."""
     message = error.message() or ""
+    if SOURCE_LOCATION in message:  # the client gets the message only: the whole text goes to the log
+        log.warning("engine error on %s: %s", engine_model, message)
     if _model_gone(error):
         return service_unavailable(f"the engine model {engine_model!r} is not loaded")
     if any(words in message for words in ENGINE_UNAVAILABLE):
@@ -255,11 +263,19 @@ CONTROL_KEY_METADATA = "triton-grpc-protocol-triton-control-key"
 # READY and its open streams get nothing more, ever (launcher/engine_health.py has the measurements).
 STUB_DEAD = "is not healthy"
 PROBE_TIMEOUT_S = 5.0
-# A request ended early is stopped by id (`stop_inputs`) and its call read to the end; the stop is sent again
-# every STOP_RESEND_S (a request still queued in Triton, not yet in the engine, is not found by the first),
-# and the call is cancelled after STOP_GRACE_S without an end.
+# A request ended early is stopped by id (`stop_inputs`) and its call read to the end. The TensorRT-LLM backend
+# remembers a stop for a request it holds (executorImpl.cpp cancelRequest: mCancelledReqIds) and ends the request
+# once the executor schedules it (terminateCancelledRequests checks only active requests, forwardSync ends only
+# scheduled ones): a queued request still runs its prefill first. So the stop is sent again only for a request
+# that may still be queued in Triton ahead of the backend (which a stop cannot find), after STOP_RESEND_S,
+# doubling up to STOP_RESEND_MAX_S. The call is cancelled (and logged, once) only past a grace: STOP_GRACE_S for
+# a request that has produced a token (scheduled), STOP_GRACE_QUEUED_S for one that has not: under saturation
+# its turn may come later than 10 s, and cancelling the call would reach the same cancelRequest (WaitForCancel)
+# while it risks tritonserver 2.51's cancellation race (one leaked request keeps its model from unloading).
 STOP_RESEND_S = 1.0
+STOP_RESEND_MAX_S = 4.0
 STOP_GRACE_S = 10.0
+STOP_GRACE_QUEUED_S = 60.0
 CLOSE_GRACE_S = 2.0  # how long closing the engine client waits for requests being stopped
 
 
@@ -326,6 +342,7 @@ class _OpenStream:
     buffer: BufferBudget | None = None
     limit: int = STREAM_QUEUE
     on_overflow: Callable[[], None] | None = None  # stops the engine request once the budget is passed
+    scheduled: bool = False  # a response came: the engine has taken it into its batch (streamed: one per step)
     failure: OpenAIError | None = None  # why the watch (or the budget) ended it
     responses: asyncio.Queue = field(default_factory=asyncio.Queue)  # (chunk | None, error) ... then _Ended
     room: asyncio.Event = field(default_factory=asyncio.Event)  # set when the consumer took, or left
@@ -387,6 +404,7 @@ class _OpenStream:
         try:
             async for result, error in self.call:
                 self.heard_at = time.monotonic()
+                self.scheduled = True
                 if self.discard:
                     continue
                 chunk = self._chunk(result) if error is None else None
@@ -424,6 +442,9 @@ class StallWatch:
 
     def close(self, stream: _OpenStream) -> None:
         self._streams.discard(stream)
+
+    def streams_of(self, model: str, version: str) -> list[_OpenStream]:
+        return [s for s in self._streams if (s.model, s.version) == (model, version)]
 
     async def _watch(self) -> None:
         try:
@@ -553,23 +574,38 @@ class TritonEngine:
         message = error.message() or ""
         return message if STUB_DEAD in message or _model_gone(error) else None
 
+    def retire(self, model: str | None, version: str, failure: OpenAIError) -> int:
+        """End every request open on this model version with `failure` (a swap rollout past its grace: Triton
+        would otherwise wait for each to run to its end before it unloads the version). Each is stopped by
+        id and its call read to the end (`_end_early`); its consumer then gets `failure`. Returns how many."""
+        streams = self._stalls.streams_of(model or self.engine_model, version)
+        for stream in streams:
+            if stream.failure is None:
+                stream.failure = failure
+                ending = asyncio.get_running_loop().create_task(self._end_early(stream))
+                self._ending.add(ending)
+                ending.add_done_callback(self._ending.discard)
+        return len(streams)
+
     async def _end_early(self, stream: _OpenStream) -> None:
         """Stop a request its consumer left before its end, and read its call to the end (the reader task
         does); cancel the call only when the engine has not ended the request within STOP_GRACE_S or the
-        stop cannot be sent."""
+        stop cannot be sent. Resends and grace: see STOP_RESEND_S."""
         assert stream.reader is not None
-        deadline = time.monotonic() + STOP_GRACE_S
+        grace = STOP_GRACE_S if stream.scheduled else STOP_GRACE_QUEUED_S
+        deadline, resend = time.monotonic() + grace, STOP_RESEND_S
         try:
             while not stream.reader.done() and time.monotonic() < deadline:
                 try:
                     await self._stop(stream.model, stream.version, stream.request_id)
                 except (asyncio.TimeoutError, grpc.RpcError, InferenceServerException):
                     return  # Triton does not take the stop: cancelling the call is all that is left
-                await asyncio.wait({stream.reader}, timeout=max(0.0, min(STOP_RESEND_S, deadline - time.monotonic())))
+                await asyncio.wait({stream.reader}, timeout=max(0.0, min(resend, deadline - time.monotonic())))
+                resend = min(2 * resend, STOP_RESEND_MAX_S)
         finally:
             if not stream.reader.done():
                 log.warning("engine request %s did not end within %.0f s of its stop: cancelling its call",
-                            stream.request_id, STOP_GRACE_S)
+                            stream.request_id, grace)
                 stream.call.cancel()
 
     async def _parameters(self, model: str) -> dict[str, str]:

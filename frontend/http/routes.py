@@ -24,6 +24,7 @@ from frontend.openai.schemas import (MAX_N, ChatCompletionRequest, ChatMessage, 
 from frontend.generation.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs, resolve_max_tokens
 from frontend.planning.guide_check import check_guides
 from frontend.planning.logprobs import check_logprobs_meaning
+from frontend.planning.sampling import check_top_k, engine_sampling
 from frontend.planning.structured import extension_guide
 
 router = APIRouter(route_class=OffLoopJSONRoute)  # large JSON bodies are parsed off the event loop
@@ -205,7 +206,10 @@ async def new_generation(request: Request, req: SamplingFields, context: ModelCo
                          parsing: AnswerParsing = AnswerParsing()) -> Generation:
     """The serving layer's Generation for this request, after the checks that need no engine (limits,
     context length), the tokens-per-minute reservation (prompt + the most it may generate, see
-    admission.tokens_to_reserve), and admission (one slot per engine request)."""
+    admission.tokens_to_reserve), and admission (one slot per engine request). What the engine gets of the
+    sampling fields is decided by planning/sampling.py (no combination that would fail a TensorRT-LLM batch)."""
+    check_top_k(req.top_k, context.log_probs)
+    req = engine_sampling(req, guide)
     limits(request).check_prompts(prompts, prompt_param)
     jobs = choice_jobs(req, prompts, context.context_length, context.tokenizer, top_logprobs, prompt_param, guide,
                        request.app.state.settings.request_buffer_bytes)

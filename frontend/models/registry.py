@@ -37,7 +37,7 @@ from frontend.openai.schemas import ModelVersion
 from frontend.settings import Settings
 from frontend.text.tokenizer import Tokenizer
 from frontend.parsing.tool_parsers import parser_for_template
-from frontend.generation.triton_engine import TritonEngine
+from frontend.generation.triton_engine import STOP_GRACE_S, TritonEngine
 
 log = logging.getLogger("frontend")
 
@@ -48,6 +48,7 @@ READY, LOADING = "READY", "LOADING"
 REFRESH_AFTER_FAILURE_S = 1.0
 LOAD_FAILURE_KEPT_S = 1.0  # a model's failed load answers the requests waiting on it (and later ones) this long
 REPORT_EVERY_S = 30.0  # how often a model whose live version Triton lacks is logged again
+RETIRE_MARGIN_S = 1.0  # past a stop's grace (its call cancelled), how long retired requests get to give back
 
 
 class VersionEngine:
@@ -87,6 +88,19 @@ class VersionEngine:
         except asyncio.TimeoutError:
             return False
         return True
+
+    async def drain_or_retire(self, grace_s: float) -> bool:
+        """Wait up to `grace_s` for the requests on this version to finish (True); past it, stop the rest by
+        id, each ending with a 503 (the rollout's promise), and wait for them to go (False). Triton would
+        otherwise hold the unload until the longest of them ended on its own (executorImpl.cpp's loop runs
+        while requests are active)."""
+        if await self.drained(grace_s):
+            return True
+        failure = service_unavailable(f"version {self.version or '?'} of this model was retired by a rollout "
+                                      "before the request ended; retry it (the new version serves it)")
+        self.triton.retire(self.model, self.version, failure)
+        await self.drained(STOP_GRACE_S + RETIRE_MARGIN_S)
+        return False
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TokenChunk]:
         async with contextlib.aclosing(self.triton.generate(request, self.model, self.version)) as chunks:

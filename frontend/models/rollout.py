@@ -6,13 +6,14 @@ A rollout to version N of a model whose live version is L (build_engine/model_st
   2. the frontend loads N's tokenizer and template, then sends the model's new requests to N;
   3. requests that picked L finish on it, for at most `rollout_grace_s`;
   4. the state file records N as live and L as the rollback target, and the policy becomes [N]: Triton
-     unloads L (requests still on it past the grace period end with an error).
+     unloads L. Requests still on L past the grace period are stopped by id and end with an error (503):
+     Triton would wait for each to end on its own before it unloads L (VersionEngine.drain_or_retire).
 That needs room for two engines at once. A TensorRT-LLM engine sizes its KV cache from the GPU memory free when
 it loads (kv_cache_free_gpu_mem_fraction), so beside a live engine the next one either fails to load or keeps a
 tiny cache for good (tensorrtllm_backend docs/llama_multi_instance.md). A model whose config says
 `rollout_strategy: swap` (values/trtllm.json) is therefore rolled out by swapping instead:
   1. the model's new requests are held in the frontend (ModelRegistry.held: they wait, they do not fail);
-  2. requests on L finish, for at most `rollout_grace_s`;
+  2. requests on L finish, for at most `rollout_grace_s`; the rest are stopped by id and end with an error;
   3. Triton unloads L, then loads N alone (policy [N], `live` -> N), and the frontend loads N's context;
   4. the held requests go to N; the state file records N as live and L as the rollback target.
 If N fails to load, L is loaded again and the held requests go to it. The pause is the drain plus the unload
@@ -121,7 +122,7 @@ class FleetMember:
         old = await self._registry.switch(await self._registry.load_version(name, version))
         if retire is None or old is None or old.engine is None or old.version != retire:
             return True
-        return await old.engine.drained(grace_s)
+        return await old.engine.drain_or_retire(grace_s)
 
     async def hold(self, name: str, grace_s: float) -> bool:
         """Hold `name`'s new requests (until `unhold`) and wait, up to `grace_s`, for those on its version.
@@ -138,7 +139,8 @@ class FleetMember:
         self._holds[name] = (release, asyncio.get_running_loop().create_task(holding()))
         await entered.wait()
         current = self._registry.current(name)
-        return await current.engine.drained(grace_s) if current is not None and current.engine is not None else True
+        return await current.engine.drain_or_retire(grace_s) if current is not None and current.engine is not None \
+            else True
 
     async def unhold(self, name: str) -> None:
         held = self._holds.pop(name, None)
@@ -238,8 +240,9 @@ class Rollouts:
                 await self._fleet.unhold(name)
 
     async def _drained(self, old: ModelContext | None) -> bool:
-        """Whether every request of this worker on `old` has finished within the grace period."""
-        return old is None or old.engine is None or await old.engine.drained(self._grace_s)
+        """Whether every request of this worker on `old` has finished within the grace period; those still
+        on it then are stopped, and end with an error (VersionEngine.drain_or_retire)."""
+        return old is None or old.engine is None or await old.engine.drain_or_retire(self._grace_s)
 
     async def _swap_held(self, model: model_store.ManagedModel, live: int, target: int,
                          started: float) -> dict[str, Any]:

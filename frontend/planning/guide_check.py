@@ -67,6 +67,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from frontend.generation.engine import Guide
 from frontend.openai.errors import invalid_request, too_many_requests
+from frontend.planning.guide_budget import NewGuideBudget
+from frontend.planning.sampling import is_trtllm
 from frontend.planning.structured import refuse_unguided
 
 try:  # a frontend installed without xgrammar (and the torch it imports) refuses guided requests
@@ -83,6 +85,7 @@ MAX_PENDING = 64  # distinct guides waiting for a compile thread or compiling
 QUEUE_WAIT_S = 10.0  # longest wait for a compile thread (all of them busy with slow guides)
 MAX_REASON_CHARS = 300
 METADATA_TTL_S = 30.0  # how long an engine's "guided decoding on/off" is reused before it is asked again
+GUIDES_PER_MINUTE = 60  # new guides per TensorRT-LLM model per minute (guide_budget.py; GUIDES_PER_MINUTE)
 GPU_XGRAMMAR = "0.1.25"  # TensorRT-LLM 1.1.0's (nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3)
 KINDS = {"json": "JSON", "json_schema": "JSON schema", "regex": "regex", "ebnf_grammar": "grammar"}
 
@@ -352,24 +355,55 @@ async def guided_decoding_on(engine: Any) -> bool:
     """Whether the engine model applies guides (EngineMetadata.guided_decoding), asked at most every
     METADATA_TTL_S per engine (a model reloaded with its tokenizer info fixed is seen within that);
     None (unit tests' contexts) counts as on."""
+    return (await _engine_facts(engine))[0]
+
+
+async def _engine_facts(engine: Any) -> tuple[bool, bool]:
+    """(guided decoding on, TensorRT-LLM) for the engine model, asked at most every METADATA_TTL_S."""
     if engine is None:
-        return True
+        return True, False
     try:
         known = _guided_decoding.get(engine)
     except TypeError:  # an engine that cannot be a weak key (a test's): asked every time
         known = None
-    if known is not None and time.monotonic() - known[1] < METADATA_TTL_S:
-        return known[0]
-    on = bool(getattr(await engine.metadata(), "guided_decoding", True))
+    if known is not None and time.monotonic() - known[2] < METADATA_TTL_S:
+        return known[0], known[1]
+    metadata = await engine.metadata()
+    on = bool(getattr(metadata, "guided_decoding", True))
+    trtllm = is_trtllm(str(getattr(metadata, "log_probs", "model")))
     with contextlib.suppress(TypeError):
-        _guided_decoding[engine] = (on, time.monotonic())
-    return on
+        _guided_decoding[engine] = (on, trtllm, time.monotonic())
+    return on, trtllm
 
 
 async def check_guides(state: Any, engine: Any, guide: Guide | None, parts: Sequence[Guide] = ()) -> None:
     """Before the engine sees the request: guided decoding on at the engine, and the guide (after the
-    schemas it is made of, `parts`, each under its own field) compiling. A 400 naming the field otherwise."""
+    schemas it is made of, `parts`, each under its own field) compiling. A 400 naming the field otherwise.
+    On TensorRT-LLM, a guide the model has not seen must also fit its budget of new guides (guide_budget.py):
+    429 with Retry-After otherwise."""
     if guide is None:
         return
-    refuse_unguided(guide, await guided_decoding_on(engine))
+    on, trtllm = await _engine_facts(engine)
+    refuse_unguided(guide, on)
     await checker_of(state).check([*parts, guide])
+    if trtllm:
+        model = str(getattr(engine, "model", None) or getattr(engine, "engine_model", None) or "")
+        key = f"{guide.type}:{hashlib.sha256(guide.text.encode()).hexdigest()}"
+        wait = budget_of(state).admit(model, key)
+        if wait is not None:
+            error = too_many_requests(
+                f"{guide.param}: this model's engine (TensorRT-LLM) compiles each new guide while every request on "
+                f"it waits, and keeps it for good; it has met {budget_of(state).limit} new guides in the last "
+                f"{budget_of(state).window_s:g} s (GUIDES_PER_MINUTE). Retry later, or reuse a schema already sent",
+                wait, type="invalid_request_error", code="guide_rate_exceeded")
+            error.param = guide.param
+            raise error
+
+
+def budget_of(state: Any) -> NewGuideBudget:
+    """The app's budget of new guides per model (app.state.guide_budget), made on first use from its settings."""
+    budget = getattr(state, "guide_budget", None)
+    if budget is None:
+        budget = NewGuideBudget(getattr(getattr(state, "settings", None), "guides_per_minute", GUIDES_PER_MINUTE))
+        state.guide_budget = budget
+    return budget

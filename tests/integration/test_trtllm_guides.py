@@ -38,13 +38,13 @@ def guide_failures(stack: Stack) -> float:
 class GrpcStream:
     """One request on its own Triton gRPC stream: its responses' token counts, its error, when it ended."""
 
-    def __init__(self, stack: Stack, request_id: str, options: SamplingOptions):
+    def __init__(self, stack: Stack, request_id: str, options: SamplingOptions, prompt: list[int] = [1, 2, 3, 4]):
         self.client = grpcclient.InferenceServerClient(stack.triton_grpc_url)
         self.tokens = 0
         self.error: str | None = None
         self.first_tokens, self.ended = threading.Event(), threading.Event()
         self.client.start_stream(callback=self._on_response)
-        self.client.async_stream_infer(CONTRACT_MODEL, build_inputs([1, 2, 3, 4], options), request_id=request_id,
+        self.client.async_stream_infer(CONTRACT_MODEL, build_inputs(prompt, options), request_id=request_id,
                                        outputs=[grpcclient.InferRequestedOutput(n) for n in requested_outputs(options)],
                                        enable_empty_final_response=True)
 

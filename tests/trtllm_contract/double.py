@@ -13,7 +13,8 @@ What the model does (each rule and its upstream source: rules.py):
   and rules.check_interface() (the template's tensors as upstream declares them) before anything else;
   then the production model loads.
 - execute: a `stop` request is answered as upstream answers it (an error without a request id; else the
-  request with that id is cancelled and the stop request gets an empty FINAL response). Any other request
+  request with that id is cancelled, once it has been scheduled: rules.STOP_TAKES_EFFECT_WHEN_SCHEDULED, and
+  the stop request gets an empty FINAL response). Any other request
   is checked (rules.request_violation()); what upstream refuses at enqueue gets upstream's error at once;
   the rest goes to the production `_enqueue`, with a response sink that shapes responses as upstream does
   (rules.ResponseShaper), refuses a request that did not ask for output_ids / sequence_length in place of
@@ -31,6 +32,10 @@ What the model does (each rule and its upstream source: rules.py):
 - a guide that fails to compile in the engine (rules.GUIDE_FAILS_THE_BATCH): every active request ends with
   upstream's "Encountered an error in forwardAsync function: <reason>", this one included; the double logs
   each such guide (rules.GUIDE_FAILED_LOG) and counts it (metric rules.GUIDE_FAILURES_METRIC).
+- a guided request with end_id -1 (rules.GUIDE_WITHOUT_END_ID_SOURCE) is logged when it arrives
+  (rules.GUIDED_WITHOUT_END_ID_LOG), and fails every active request the same way once its document is
+  complete; min_tokens with end_id -1 and top_k above 1024 are refused (the double's words, logged).
+- the executor's TLLM_THROW / TLLM_CHECK errors carry a build path, line and stack trace (rules.tllm_error).
 
 The production model builds each request's response sink through its `_make_sink` hook, which the
 double overrides; it also wraps its engine's `submit` (the executor's checks) and sets how often the engine
@@ -114,12 +119,14 @@ def add_contract_double(repository: Path, name: str, engine_dir: Path,
     (target / "1" / "model.py").write_text(_loader_source(name))
 
 
-def make_named_contract_doubles(repository: Path, template_dir: Path = REPO_ROOT / "model_repository") -> None:
+def make_named_contract_doubles(repository: Path, template_dir: Path = REPO_ROOT / "model_repository",
+                                **knobs: float) -> None:
     """Turn a repository of CPU-engine named models (`build_engine --name`, build_engine/model_store.py) into
     the TensorRT-LLM layout, each model run by the double: the shared config rendered with the TensorRT-LLM
     values (paths through the `live` link, as a TensorRT-LLM named build renders them) and each version's
     model.py the double's loader. The double reads its engine through gpt_model_path only, as upstream does,
-    so a rollout works here only if the link points at the version being loaded."""
+    so a rollout works here only if the link points at the version being loaded. `knobs` as for
+    add_contract_double (the step delay), for every model."""
     from build_engine import model_store  # test process only
     from build_engine.pipeline import BuildRequest, XGRAMMAR_INFO_FILE, version_config
     from build_engine.xgrammar_info import write_tokenizer_info
@@ -132,7 +139,7 @@ def make_named_contract_doubles(repository: Path, template_dir: Path = REPO_ROOT
         engine_config = {**model.record(live), "xgrammar_tokenizer_info": str(model.engine_dir(live) / XGRAMMAR_INFO_FILE)}
         rendered = version_config(Path(template_dir), BuildRequest(output_dir=Path(repository).parent, backend="trtllm"),
                                   engine_config, model, live)
-        model.config_path.write_text(contract_config(rendered, model.name))
+        model.config_path.write_text(contract_config(rendered, model.name, knobs))
 
 
 def contract_config(rendered: str, name: str, knobs: dict[str, float] | None = None,
@@ -197,12 +204,15 @@ class FinishableSender:
     def __init__(self, sender: Any):
         self._sender = sender
         self.finished = False
+        self.scheduled = False  # the request has had a step (rules.STOP_TAKES_EFFECT_WHEN_SCHEDULED)
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         return self._sender.send(*args, **kwargs)
 
     def is_cancelled(self) -> bool:
-        return self.finished or self._sender.is_cancelled()
+        """Triton's cancellation reaches the executor's cancelRequest() (WaitForCancel), which ends a request
+        only once it is scheduled (rules.STOP_TAKES_EFFECT_WHEN_SCHEDULED): not asked before then."""
+        return self.finished or (self.scheduled and self._sender.is_cancelled())
 
 
 @dataclass(frozen=True)
@@ -212,6 +222,7 @@ class _Pending:
     return_log_probs: bool
     response_error: str | None  # upstream's error in place of the first response
     zero_log_probs: bool = False  # rules.log_prob_rule(): every output_log_probs value 0.0
+    guided_without_end_id: bool = False  # rules.guided_without_end_id(): its complete document fails the batch
 
 
 def _build_model_class() -> type:
@@ -239,12 +250,38 @@ def _build_model_class() -> type:
             self.executor_id = 0
             self.done = False
             self.terminated: str | None = None  # rules.GUIDE_FAILS_THE_BATCH: the batch's error, sent next
+            self.guided_without_end_id = pending.guided_without_end_id
+            self.stop_pending = False  # a stop arrived before the request was scheduled
+            self.stopping = False  # cancelled in the engine: what it still sends is dropped (clearGeneratedTokens)
+
+        def stop(self) -> None:
+            """A stop request for this request (rules.STOP_TAKES_EFFECT_WHEN_SCHEDULED): ends it at once when
+            it has been scheduled, else after its first step (its prefill runs first). Runs in execute()."""
+            if self.sender.scheduled:
+                self.model.engine.cancel(self.request)
+            else:
+                self.stop_pending = True
 
         def send(self, tokens, finish) -> None:
             if self.done:
                 return
+            self.sender.scheduled = True
+            if self.stop_pending and not self.stopping:  # its first step ran: the stop now ends it, tokens dropped
+                self.stopping = True
+                self.model.engine.cancel(self.request)
+            if self.stopping:  # kCANCELLED: clearGeneratedTokens(), the FINAL response carries none
+                if finish is None:
+                    return
+                tokens = []
             if self.terminated is not None:  # the batch failed (a guide): no token after it, only the error
                 self.send_error(self.terminated)
+                return
+            if finish == FinishReason.END_ID and self.guided_without_end_id:
+                # rules.GUIDE_WITHOUT_END_ID_SOURCE: the document is complete but end_id -1 does not end the
+                # request; its tokens go out, and the step after next throws for the whole batch.
+                self.send(tokens, None)
+                self.model._fail_batch(self, rules.FORWARD_ASYNC_ERROR + rules.STOP_TOKEN_ACCEPTED,
+                                       f"{rules.GUIDED_WITHOUT_END_ID_LOG}: its document is complete")
                 return
             arrays = self.shaper.step([t.token for t in tokens], [float(t.logprob) for t in tokens],
                                       finished=finish is not None)
@@ -364,12 +401,17 @@ def _build_model_class() -> type:
                 with self._lock:
                     target = self._latest.get(triton_id)
                 if target is not None and target.request is not None:
-                    self.engine.cancel(target.request)  # ends with a plain FINAL response
+                    target.stop()  # ends with a plain FINAL response, once it has been scheduled
                 sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
                 return
             violation = rules.request_violation(inputs, request.requested_output_names(), self.decoupled)
             if violation is not None and violation.when == rules.ENQUEUE_TIME:
+                if not violation.upstream:  # what a test through the frontend asserts never happens
+                    pb_utils.Logger.log_warn(f"{self.model_name}: request {triton_id!r}: {violation.message}")
                 raise RequestError(violation.message)
+            guided_without_end_id = rules.guided_without_end_id(rules.batch_items(inputs)[0])
+            if guided_without_end_id:
+                pb_utils.Logger.log_warn(f"{self.model_name}: request {triton_id!r}: {rules.GUIDED_WITHOUT_END_ID_LOG}")
             return_log_probs = rules.first_flag(inputs, "return_log_probs")
             zero_log_probs = False
             if return_log_probs:  # the sampler's log-probs (rules.log_prob_rule); refused where not modelled
@@ -378,7 +420,8 @@ def _build_model_class() -> type:
                     raise RequestError(log_probs.refusal)
                 zero_log_probs = log_probs.output == rules.LOG_PROBS_ZERO
             self._pending = _Pending(triton_id, return_log_probs,
-                                     violation.message if violation is not None else None, zero_log_probs)
+                                     violation.message if violation is not None else None, zero_log_probs,
+                                     guided_without_end_id)
             try:
                 super()._enqueue(request, sender)
             finally:
@@ -393,8 +436,9 @@ def _build_model_class() -> type:
             sink.executor_id = next(self._executor_ids)
             error = rules.executor_violation(len(request.prompt), request.end_id, self.max_input_len,
                                              self.vocab_size)
-            if error:
-                raise RequestError(rules.EXECUTOR_ERROR.format(request_id=sink.executor_id, message=error))
+            if error:  # TLLM_CHECK / TLLM_THROW in llmRequest.cpp: their file, line and trace after the text
+                raise RequestError(rules.EXECUTOR_ERROR.format(
+                    request_id=sink.executor_id, message=rules.tllm_error(error, "batch_manager/llmRequest.cpp", 0)))
             request.max_new_tokens = rules.clamped_output_len(len(request.prompt), request.max_new_tokens,
                                                               self.max_seq_len)
             # rules.effective_seed(): no seed input is seed 0 (the CPU engine would draw a random one).
@@ -403,7 +447,8 @@ def _build_model_class() -> type:
             try:
                 self._production_submit(request)
             except QueueFullError:  # executorImpl.cpp enqueueRequests(): an error response at once
-                raise RequestError(rules.QUEUE_FULL.format(max_queue_size=self.max_queue_size)) from None
+                raise RequestError(rules.tllm_error(rules.QUEUE_FULL.format(max_queue_size=self.max_queue_size),
+                                                    "executor/executorImpl.cpp", 0)) from None
             with self._lock:  # rules.GUIDE_FAILS_THE_BATCH fails these
                 if not sink.done:
                     self._active.add(sink)
@@ -427,17 +472,22 @@ def _build_model_class() -> type:
             if reason is None:  # compiled, or refused for another reason (the model unloading)
                 super()._guide_compiled(generation, sender, guide, error)
                 return
-            message = rules.FORWARD_ASYNC_ERROR + reason
+            failed = generation.sink
+            failed.executor_id = next(self._executor_ids)
+            self._fail_batch(failed, rules.FORWARD_ASYNC_ERROR + reason, f"{rules.GUIDE_FAILED_LOG}{error}")
+
+        def _fail_batch(self, failed, message: str, why: str) -> None:
+            """executorImpl.cpp forwardAsync() -> terminateActiveRequests(): every active request ends with
+            `message`, `failed` (whose step threw) at once, the others at their next step (their
+            cancellation ends them). Logged with `why` and counted (rules.GUIDE_FAILURES_METRIC)."""
             with self._lock:
-                active = [sink for sink in self._active if not sink.done]
-            pb_utils.Logger.log_error(f"{self.model_name}: {rules.GUIDE_FAILED_LOG}{error} (request "
-                                      f"{generation.request_id!r}; {len(active)} other active requests fail too)")
+                active = [sink for sink in self._active if not sink.done and sink is not failed]
+            pb_utils.Logger.log_error(f"{self.model_name}: {why} (request {failed.triton_id!r}; {len(active)} other "
+                                      "active requests fail too)")
             self.guide_failures.increment(1)
             for sink in active:
                 sink.terminated = message
                 self.engine.cancel(sink.request)
-            failed = generation.sink
-            failed.executor_id = next(self._executor_ids)
             failed.send_error(message)
 
         def _after_step(self) -> None:

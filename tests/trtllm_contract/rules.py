@@ -580,6 +580,18 @@ def is_stop_request(inputs: Mapping[str, np.ndarray]) -> bool:
     return first_flag(inputs, "stop")
 
 
+# Audit round 3, R2: model_instance_state.cc handleStopRequest() @0c8de69a -> executor cancelRequest(), which only
+# adds the id to mCancelledReqIds; executorImpl.cpp terminateCancelledRequests() @036a60f7 checks that set against
+# the active requests only (fetchNewRequests() never looks at it), and trtGptModelInflightBatching.cpp
+# terminateRequestSync() acts in forwardSync() on the scheduled batch only. So a stopped request that is still
+# queued (or active but not scheduled under guaranteed_no_evict) runs its first step, its prefill, before it ends
+# (kCANCELLED: clearGeneratedTokens(), a FINAL response with no tokens). Triton's own cancellation reaches the
+# same cancelRequest() (model_instance_state.cc WaitForCancel): it too waits for the request's turn.
+STOP_TAKES_EFFECT_WHEN_SCHEDULED = (f"{MIS} handleStopRequest @{COMMITS[MIS][:8]} / WaitForCancel -> cancelRequest; "
+                                    "executorImpl.cpp terminateCancelledRequests @036a60f7; "
+                                    "trtGptModelInflightBatching.cpp terminateRequestSync (forwardSync)")
+
+
 def stop_request_error(request_id: str) -> str | None:
     """handleStopRequest(): a stop request needs the Triton request id of the requests to stop. With one, the
     stop request gets an empty FINAL response (no outputs, no error) whether or not anything matched."""
@@ -718,8 +730,15 @@ def _text(value: Any) -> str:
 
 
 def _double_only(inputs: Mapping[str, np.ndarray]) -> str | None:
-    """What upstream accepts but silently does otherwise than asked: refused by the double, so that no test
-    takes an unguided answer for a guided one, or a cut prompt for a whole one."""
+    """What upstream accepts but silently does otherwise than asked, or what corrupts its memory: refused by
+    the double, so that no test takes an unguided answer for a guided one, a cut prompt for a whole one, a
+    clipped top_k for the one asked, or a logit write out of bounds for a harmless request."""
+    item = batch_items(inputs)[0]
+    if min_tokens_without_end_id(item):
+        return MIN_TOKENS_WITHOUT_END_ID.format(min_tokens=_singleton(item, "min_tokens"))
+    top_k = _singleton(item, "runtime_top_k")
+    if top_k is not None and int(top_k) > TOP_K_MAX:
+        return TOP_K_CLIPPED.format(top_k=int(top_k))
     guide_type, guide = inputs.get("guided_decoding_guide_type"), inputs.get("guided_decoding_guide")
     if guide_type is not None:
         name = _text(np.asarray(guide_type, dtype=object).reshape(-1)[0])
@@ -734,6 +753,64 @@ def _double_only(inputs: Mapping[str, np.ndarray]) -> str | None:
     if length != width:
         return INPUT_LENGTHS_IGNORED.format(input_lengths=length, ids=width)
     return None
+
+
+# ----- end ids and top_k (audit round 3: B1, R1, R4) ---------------------------------------------------------
+# B1. A guided request with end_id -1 (ignore_eos) fails the batch once its document is complete: xgrammar then
+# allows only its stop token (eos), the sampler picks it, end_id -1 does not end the request, and at the next
+# step guidedDecoder.cpp GuidedDecoder::build() calls AcceptToken (result unchecked) then FillNextTokenBitmask,
+# whose XGRAMMAR_CHECK(!IsStopTokenAccepted()) throws (xgrammar cpp/grammar_matcher.cc, v0.1.18-0.1.29;
+# :505 in v0.1.25). executorImpl.cpp forwardAsync() catches it: terminateActiveRequests(), EVERY active request.
+GUIDE_WITHOUT_END_ID_SOURCE = ("batch_manager/guidedDecoder.cpp GuidedDecoder::build @000a01de; xgrammar "
+                               "cpp/grammar_matcher.cc:505 FillNextTokenBitmask @v0.1.25; executorImpl.cpp "
+                               "Executor::Impl::forwardAsync @036a60f7 (terminateActiveRequests)")
+STOP_TOKEN_ACCEPTED = ("Check failed: (!IsStopTokenAccepted()) is false: GrammarMatcher has terminated after "
+                       "accepting the stop token, but is trying to find the next token mask")
+# What the double logs (Triton's log) for each guided request it gets with end_id -1, when it enqueues it.
+GUIDED_WITHOUT_END_ID_LOG = (DOUBLE + "a guided request with end_id -1: once its document is complete it fails "
+                             "every active request (" + GUIDE_WITHOUT_END_ID_SOURCE + ")")
+# R1. kernels/penaltyKernels.cu batchApplyPenalty() @249d93d5: while step < minLength it writes
+# logits[endIds[slot]] = MASK_VAL, with no guard for endId -1 (layers/penaltyLayer.cpp setup() has none either):
+# the float before the request's logit row (before the buffer for row 0). A request without an end_id input gets
+# -1 too (batch_manager/createNewDecoderRequests.cpp: llmReq->mEndId.value_or(-1)). The double refuses both.
+MIN_TOKENS_WITHOUT_END_ID = (DOUBLE + "min_tokens {min_tokens} with end_id -1 (or none): TensorRT-LLM's "
+                             "kernels/penaltyKernels.cu batchApplyPenalty() @249d93d5 would write logits[-1] "
+                             "(out of bounds) at every step before min_tokens")
+# R4. kernels/samplingTopKKernels.h TOP_K_MAX; layers/topKSamplingLayer.cpp setup() @03961722 clampTopK(): a
+# larger top_k is clipped to it with a log warning, and the request samples from 1024 tokens.
+TOP_K_MAX = 1024
+TOP_K_CLIPPED = (DOUBLE + "runtime_top_k {top_k} is above TOP_K_MAX (1024): TensorRT-LLM "
+                 "(layers/topKSamplingLayer.cpp setup() @03961722, clampTopK) would clip it with only a log warning")
+
+
+def _is_guided(item: Mapping[str, np.ndarray]) -> bool:
+    return "guided_decoding_guide_type" in item and "guided_decoding_guide" in item
+
+
+def guided_without_end_id(item: Mapping[str, np.ndarray]) -> bool:
+    """B1: a guided request (one upstream maps: GUIDE_TYPES) whose end_id is -1."""
+    return _is_guided(item) and _singleton(item, "end_id") == -1
+
+
+def min_tokens_without_end_id(item: Mapping[str, np.ndarray]) -> bool:
+    """R1: min_tokens > 0 with end_id -1 or no end_id (MIN_TOKENS_WITHOUT_END_ID)."""
+    return _singleton(item, "end_id") in (-1, None) and int(_singleton(item, "min_tokens") or 0) > 0
+
+
+# R6. TLLM_THROW / TLLM_CHECK texts carry " (<file>:<line>)" and a stack trace after the message
+# (include/tensorrt_llm/common/tllmException.h, TllmException::TllmException: the file is the build's absolute
+# path). The double gives its errors of those kinds the same shape, with a build path and trace of its own.
+TLLM_BUILD_ROOT = "/home/jenkins/agent/workspace/LLM/release-1.1/L0_PostMerge/llm/cpp/tensorrt_llm/"
+TLLM_TRACE = ("\n1       0x7f3c2a1b4c3d tensorrt_llm::common::throwRuntimeError(char const*, int, std::string "
+              "const&) + 130\n2       0x7f3c2a9e8f10 /usr/local/lib/python3.12/dist-packages/tensorrt_llm/libs/"
+              "libtensorrt_llm.so(+0x1a3ef10) [0x7f3c2a9e8f10]\n3       0x7f3c2a9f0021 "
+              "tensorrt_llm::executor::Executor::Impl::fetchNewRequests(int, std::optional<float>) + 1233")
+
+
+def tllm_error(message: str, source: str, line: int) -> str:
+    """`message` as a TLLM_THROW / TLLM_CHECK exception's what() reads: ` (<path>:<line>)` and a stack trace
+    after it. `source` is the file relative to cpp/tensorrt_llm/."""
+    return f"{message} ({TLLM_BUILD_ROOT}{source}:{line}){TLLM_TRACE}"
 
 
 def executor_violation(prompt_len: int, end_id: int | None, max_input_len: int, vocab_size: int) -> str | None:
@@ -1030,4 +1107,15 @@ RULES: tuple[Rule, ...] = (
          "guide's mask, temperature, penalties (prompt counted), min_tokens and bad words; the double refuses "
          "what it cannot compute (log_prob_rule)", SAMPLER_SOURCES["penalties"], LOG_PROBS_NOT_MODELLED),
     Rule("max_queue_size > 0 requests already wait for the executor", SAMPLER_SOURCES["queue"], QUEUE_FULL),
+    Rule("a stop (or Triton's cancellation) for a request not yet scheduled ends it only after its first step "
+         "(its prefill), with no tokens", STOP_TAKES_EFFECT_WHEN_SCHEDULED, "(no error: an empty FINAL response)"),
+    Rule("a guided request with end_id -1 reaches a complete document: EVERY active request fails (the frontend "
+         "keeps the end id under a guide, frontend/planning/sampling.py)", GUIDE_WITHOUT_END_ID_SOURCE,
+         EXECUTOR_ERROR.format(request_id="<id>", message=FORWARD_ASYNC_ERROR + STOP_TOKEN_ACCEPTED)),
+    Rule("min_tokens > 0 with end_id -1 (the double refuses it: upstream writes out of bounds)",
+         "kernels/penaltyKernels.cu batchApplyPenalty @249d93d5", MIN_TOKENS_WITHOUT_END_ID),
+    Rule("runtime_top_k above 1024 (the double refuses it: upstream clips it with a log line)",
+         "layers/topKSamplingLayer.cpp setup @03961722, clampTopK", TOP_K_CLIPPED),
+    Rule("TLLM_THROW / TLLM_CHECK errors carry ' (<path>:<line>)' and a stack trace after the message (tllm_error)",
+         "include/tensorrt_llm/common/tllmException.h TllmException", "<message> (/<path>:<line>)\\n<trace>"),
 )

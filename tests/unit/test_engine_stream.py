@@ -67,6 +67,7 @@ class FakeTriton:
         self.honour_stops = honour_stops
         self.calls: list[FakeCall] = []
         self.stops: list[str] = []
+        self.stop_times: list[float] = []
         self.new_call = asyncio.Event()
 
     def stream_infer(self, requests: AsyncIterator[dict[str, Any]]) -> FakeCall:
@@ -80,6 +81,7 @@ class FakeTriton:
         names = {tensor.name() for tensor in call.request["inputs"]}
         if "stop" in names:
             self.stops.append(call.request["request_id"])
+            self.stop_times.append(asyncio.get_running_loop().time())
             if self.honour_stops:
                 for running in self.calls:
                     if running.request["request_id"] == call.request["request_id"]:
@@ -162,12 +164,36 @@ async def test_a_request_read_to_its_end_is_neither_stopped_nor_cancelled() -> N
 async def test_an_engine_that_ignores_the_stop_gets_it_again_then_its_call_is_cancelled(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(triton_engine, "STOP_RESEND_S", 0.01)
+    monkeypatch.setattr(triton_engine, "STOP_RESEND_MAX_S", 0.02)
     monkeypatch.setattr(triton_engine, "STOP_GRACE_S", 0.2)
     fake = FakeTriton(honour_stops=False)
     engine, tokens, call = await first_token_read(fake, "req-3")
     await tokens.aclose()
     await asyncio.wait_for(asyncio.gather(*engine._ending), 5)
     assert len(fake.stops) >= 2 and set(fake.stops) == {"req-3"} and call.cancelled
+
+
+async def test_a_stop_is_resent_ever_less_often_and_a_queued_request_gets_the_longer_grace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit round 3, R2: the TensorRT-LLM backend remembers a stop for a request it holds and ends the request
+    once it is scheduled, so resending only helps while the request may still be queued in Triton (backing off),
+    and a request with no token yet (queued) gets STOP_GRACE_QUEUED_S before its call is cancelled."""
+    monkeypatch.setattr(triton_engine, "STOP_RESEND_S", 0.01)
+    monkeypatch.setattr(triton_engine, "STOP_RESEND_MAX_S", 0.04)
+    monkeypatch.setattr(triton_engine, "STOP_GRACE_S", 0.05)
+    monkeypatch.setattr(triton_engine, "STOP_GRACE_QUEUED_S", 0.3)
+    fake = FakeTriton(honour_stops=False)
+    engine = engine_on(fake)
+    consumer = asyncio.create_task(anext(engine.generate(request("queued")), None))
+    call = await started(fake)  # no token: the request is still queued
+    began = asyncio.get_running_loop().time()
+    consumer.cancel()
+    await asyncio.gather(consumer, return_exceptions=True)
+    await asyncio.wait_for(asyncio.gather(*engine._ending), 5)
+    assert call.cancelled and asyncio.get_running_loop().time() - began >= 0.3  # the queued grace, not 0.05
+    gaps = [b - a for a, b in zip(fake.stop_times, fake.stop_times[1:])]
+    assert len(gaps) >= 3 and all(gap >= min(0.01 * 2 ** i, 0.04) * 0.9 for i, gap in enumerate(gaps)), gaps
+    await engine.close()
 
 
 async def test_closing_the_engine_cancels_the_calls_of_requests_still_being_stopped(

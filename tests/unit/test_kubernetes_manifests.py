@@ -377,6 +377,22 @@ def test_tp_overlay_gives_triton_the_gpus_the_engine_is_built_for() -> None:
     assert job["resources"]["limits"]["nvidia.com/gpu"] == tp_size
 
 
+def test_multinode_engine_is_built_for_the_gpus_per_pod_it_runs_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit round 3 R8: TensorRT-LLM places rank r on GPU r % gpus_per_node (WorldConfig::mpi), gpus_per_node
+    being the engine's (trtllm-build --gpus_per_node): the engine Job builds with the leader's GPUs per pod."""
+    from build_engine.__main__ import parse_args
+
+    docs = render("multinode")
+    job = resource(docs, "Job", "engine-build")["spec"]["template"]["spec"]["containers"][0]
+    leader_gpus = env_of(container(server_pod(docs), "triton"))["MPI_LWS_GPUS_PER_POD"]
+    assert env_of(job)["MPI_LWS_GPUS_PER_POD"] == leader_gpus
+    monkeypatch.setenv("MPI_LWS_GPUS_PER_POD", "4")  # what the Job's build_engine (build-engine.sh) then passes
+    request = parse_args(["--backend", "trtllm", "--model", "/m", "--tp-size", "4", "--pp-size", "2"])[0]
+    assert request.gpus_per_node == 4
+    monkeypatch.delenv("MPI_LWS_GPUS_PER_POD")
+    assert parse_args(["--backend", "trtllm", "--model", "/m"])[0].gpus_per_node == 8  # trtllm-build's default
+
+
 def lws_template(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
     return resource(docs, "LeaderWorkerSet", "tritonllm")["spec"]["leaderWorkerTemplate"]
 

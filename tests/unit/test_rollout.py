@@ -33,9 +33,17 @@ class FakeTriton:
         self.ready: dict[str, set[int]] = {model.name: set(model.loaded_versions())}
         self.strategy = "beside"  # the model config's rollout_strategy
         self.most_loaded = len(self.ready[model.name])  # the most versions of the model loaded at once
+        self.retired: list[tuple[str | None, str, int]] = []  # retire() calls: model, version, the error's status
+        self.on_retire: list = []  # what a retire ends (each called): the stopped requests giving back their leases
 
     async def parameter(self, model: str, key: str) -> str:
         return self.strategy if key == "rollout_strategy" else ""
+
+    def retire(self, model: str | None, version: str, failure: OpenAIError) -> int:
+        self.retired.append((model, version, failure.status))
+        for end in self.on_retire:
+            end()
+        return len(self.on_retire)
 
     async def unload_model(self, name: str) -> None:
         self.loads.append(([], None))
@@ -119,9 +127,24 @@ async def test_the_old_version_is_unloaded_only_after_its_requests_finish(setup)
 
 async def test_past_the_grace_period_the_old_version_goes_anyway(setup) -> None:
     _, triton, registry = setup
-    (await registry.get(NAME)).engine.lease()  # never released
+    engine = (await registry.get(NAME)).engine
+    engine.lease()  # released only when the rollout stops it (audit round 3, R5)
+    triton.on_retire.append(engine.release)
     result = await Rollouts(registry, triton, grace_s=0.05).rollout(NAME, 2)  # type: ignore[arg-type]
     assert result["drained"] is False and triton.loads[-1] == ([2], 2)
+    assert triton.retired == [(NAME, "1", 503)], "what outlived the grace was not stopped with a 503"
+
+
+async def test_a_swap_stops_what_outlives_the_grace_before_it_unloads(setup) -> None:
+    """Audit round 3, R5: Triton unloads a TensorRT-LLM version only once its requests have ended."""
+    _, triton, registry = setup
+    triton.strategy = "swap"
+    engine = (await registry.get(NAME)).engine
+    engine.lease()
+    triton.on_retire.append(lambda: (engine.release(), triton.loads.append(("retired", None))))
+    result = await Rollouts(registry, triton, grace_s=0.05).rollout(NAME, 2)  # type: ignore[arg-type]
+    assert result["drained"] is False and triton.retired == [(NAME, "1", 503)]
+    assert triton.loads.index(("retired", None)) < triton.loads.index(([], None)), "stopped after the unload"
 
 
 async def test_a_version_that_fails_to_load_leaves_everything_as_it_was(setup) -> None:

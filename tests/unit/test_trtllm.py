@@ -181,7 +181,7 @@ def test_dry_run_llama(tmp_path: Path, llama_checkpoint: Path, capsys: pytest.Ca
             "--kv_cache_type", "paged", "--remove_input_padding", "enable", "--context_fmha", "enable",
             "--use_paged_context_fmha", "enable", "--gpt_attention_plugin", "float16", "--gemm_plugin", "float16",
             "--max_batch_size", "64", "--max_input_len", "1023", "--max_seq_len", "1024",
-            "--max_num_tokens", "8192", "--max_beam_width", "1", "--workers", "1",
+            "--max_num_tokens", "8192", "--max_beam_width", "1", "--workers", "1", "--gpus_per_node", "8",
         ],
     ]
     # A dry run builds nothing; it renders the repository the build would serve, and nothing else.
@@ -252,6 +252,10 @@ def test_pipeline_parallel_plan_and_record(tmp_path: Path, llama_checkpoint: Pat
     convert, build_cmd = plan.commands
     assert convert[convert.index("--tp_size") + 1:convert.index("--tp_size") + 4] == ["8", "--pp_size", "2"]
     assert build_cmd[build_cmd.index("--workers") + 1] == "8"
+    assert build_cmd[build_cmd.index("--gpus_per_node") + 1] == "8"  # the default; the overlay's GPUs per pod
+    four = trtllm.plan_build(checkpoint, limits, trtllm.TrtllmOptions(tp_size=4, pp_size=2, gpus_per_node=4),
+                             work_dir=tmp_path, engine_dir=tmp_path / "engine").commands[1]
+    assert four[four.index("--gpus_per_node") + 1] == "4"
     record = trtllm.trtllm_engine_config(checkpoint, plan, limits, options, served_model_name="m", source={},
                                          version=VERSION, checkpoint_hash="0" * 64, xgrammar_tokenizer_info=None)
     assert (record["tp_size"], record["pp_size"], record["world_size"]) == (8, 2, 16)
