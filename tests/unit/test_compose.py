@@ -71,11 +71,12 @@ def test_frontend_stores_responses_in_the_compose_postgresql() -> None:
 def test_frontend_workers_share_reasoning_keys_from_a_secret_file() -> None:
     """Sealed reasoning (encrypted_content) made by one worker must open in any other: a key file shared by
     all, never the per-process key a PostgreSQL store would otherwise get."""
-    model = validate_compose().load(COMPOSE, ENV)
+    v = validate_compose()
+    model = v.load(COMPOSE, ENV)
     frontend = model["services"]["frontend"]
     assert model["secrets"]["responses_reasoning_keys"]["file"] == ENV["RESPONSES_REASONING_KEYS_FILE"]
     assert "responses_reasoning_keys" in frontend["secrets"]
     assert frontend["environment"]["RESPONSES_REASONING_KEYS_FILE"] == "/run/secrets/responses_reasoning_keys"
     assert "RESPONSES_REASONING_KEYS" not in frontend["environment"]
-    with pytest.raises(validate_compose().ComposeError, match="RESPONSES_REASONING_KEYS_FILE"):
-        validate_compose().load(COMPOSE, {k: v for k, v in ENV.items() if k != "RESPONSES_REASONING_KEYS_FILE"})
+    with pytest.raises(v.ComposeError, match="RESPONSES_REASONING_KEYS_FILE"):
+        v.load(COMPOSE, {k: v for k, v in ENV.items() if k != "RESPONSES_REASONING_KEYS_FILE"})
