@@ -119,11 +119,11 @@ bench-pa: install
 
 # docker/: the compose file must validate against the Compose Specification's JSON schema (vendored, pinned:
 # docker/compose-spec/README.md; jsonschema and PyYAML from the venv: nothing is installed on the machine), and
-# the Dockerfiles must pass hadolint (pinned in the dev extra). MODEL_DIR and RESPONSES_DB_PASSWORD_FILE are
-# only interpolated, never read.
+# the Dockerfiles must pass hadolint (pinned in the dev extra). MODEL_DIR, RESPONSES_DB_PASSWORD_FILE and
+# RESPONSES_REASONING_KEYS_FILE are only interpolated, never read.
 lint: install lint-k8s
 	MODEL_DIR=/models/hf RESPONSES_DB_PASSWORD_FILE=/run/responses-db.password \
-		$(PY) docker/validate_compose.py docker/compose.yaml
+		RESPONSES_REASONING_KEYS_FILE=/run/responses-reasoning.keys $(PY) docker/validate_compose.py docker/compose.yaml
 	$(VENV)/bin/hadolint docker/Dockerfile.trtllm docker/Dockerfile.frontend docker/Dockerfile.cpu
 
 # deploy/kubernetes/, offline: every overlay renders (kubectl's built-in kustomize), every core resource

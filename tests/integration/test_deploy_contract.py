@@ -13,7 +13,12 @@ to the session's Triton (tests/integration/conftest.py) and to the session's rea
 (tests/conftest.py) where the target names PostgreSQL. Each target must:
   - become ready (/health/ready), answer one chat completion,
   - store a response (POST /v1/responses) through one frontend and read it back (GET) through another one
-    started the same way (a second pod / container sharing the store).
+    started the same way (a second pod / container sharing the store),
+  - open, in both frontends, reasoning sealed under the target's shared reasoning key file (what one
+    process's `encrypted_content` must be to open in another: the Codex CLI sends it back every turn), and
+    refuse what another key sealed. The targets run no reasoning parser, so no frontend seals reasoning of
+    its own here: the test seals it with frontend.responses.sealing under the key it put in the declared file,
+    and both frontends, each reading that file as its uid, must open it (a per-process key would refuse it).
 
 What only exists where the target runs is substituted, each in SUBSTITUTIONS below and nowhere else: the
 assertion at the end of `launch()` checks that nothing else differs from the target's own values.
@@ -45,6 +50,7 @@ import httpx
 import pytest
 
 from benchmarks.servers import repository_parameter, stop_process, wait_http_ok
+from frontend.responses.sealing import ReasoningSeal
 from launcher.ports import find_free_port
 from tests.integration.conftest import Stack
 from tests.unit.test_kubernetes_manifests import container, render, server_pod
@@ -71,7 +77,7 @@ SUBSTITUTIONS = {
     "env RESPONSES_DB_URL": "the DSN's host and port only: the test PostgreSQL's socket (user, database, "
                             "options as declared)",
     "env OPENBLAS_*": "this machine's OpenBLAS settings, where set (numpy's OpenBLAS needs them on some CPUs)",
-    "secret contents": "the test's values: an API key, a database password",
+    "secret contents": "the test's values: an API key, a database password, a reasoning key",
     "triton control key": "the test Triton's, in the file the pod's init container writes",
     "tokenizer": "the test engine's checkpoint, read-only, where the test Triton's config names it (the "
                  "target's own model volume is there, empty)",
@@ -145,7 +151,7 @@ def read_image(path: Path = DOCKERFILE) -> Image:
 @dataclass
 class Secret:
     path: str  # the file in the container
-    content_of: str  # which test value: "api-keys", "responses-db-password"
+    content_of: str  # which test value: "api-keys", "responses-db-password", "reasoning-keys"
     mode: int
     gid: int | None  # the file's group (a pod's fsGroup); None: root's
 
@@ -180,7 +186,8 @@ def compose_launch(image: Image) -> Launch:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     # The variables compose needs to parse the file; their values are only interpolated into host paths.
-    model = module.load(COMPOSE, {"MODEL_DIR": "/models/hf", "RESPONSES_DB_PASSWORD_FILE": "/run/pw"})
+    model = module.load(COMPOSE, {"MODEL_DIR": "/models/hf", "RESPONSES_DB_PASSWORD_FILE": "/run/pw",
+                                  "RESPONSES_REASONING_KEYS_FILE": "/run/rk"})
     service = model["services"]["frontend"]
     environment = service.get("environment", {})
     if isinstance(environment, list):
@@ -205,10 +212,13 @@ def compose_launch(image: Image) -> Launch:
     for entry in service.get("secrets", []):
         name = entry if isinstance(entry, str) else entry["source"]
         target = f"/run/secrets/{name}" if isinstance(entry, str) else entry.get("target", f"/run/secrets/{name}")
-        assert name == "responses_db_password", f"compose secret {name}: which test value is it?"
-        secrets.append(Secret(target, "responses-db-password", 0o644, None))  # a host file, as the README asks
+        assert name in COMPOSE_SECRETS, f"compose secret {name}: which test value is it?"
+        secrets.append(Secret(target, COMPOSE_SECRETS[name], 0o644, None))  # a host file, as the README asks
     return Launch("compose", argv, env, {}, uid, gid, [], service.get("working_dir", image.workdir),
                   bool(service.get("read_only")), writable, read_only, secrets, None)
+
+
+COMPOSE_SECRETS = {"responses_db_password": "responses-db-password", "responses_reasoning_keys": "reasoning-keys"}
 
 
 def image_writable(image: Image, uid: int) -> list[str]:
@@ -216,7 +226,8 @@ def image_writable(image: Image, uid: int) -> list[str]:
     return ["/tmp", image.home(uid), *image.volumes]
 
 
-K8S_SECRETS = {("tritonllm-api-keys", "keys"): "api-keys", ("tritonllm-responses-db", "password"): "responses-db-password"}
+K8S_SECRETS = {("tritonllm-api-keys", "keys"): "api-keys", ("tritonllm-responses-db", "password"): "responses-db-password",
+               ("tritonllm-reasoning-keys", "keys"): "reasoning-keys"}
 _K8S_VAR = re.compile(r"\$\((\w+)\)|\$\$")
 
 
@@ -292,6 +303,7 @@ class Services:
     stack: Stack
     api_key: str
     db_password: str
+    reasoning_key: str  # the one line of the reasoning key file the targets share
     pg_socket: Path  # the test PostgreSQL's socket file
     pg_port: int
     pg_admin_url: str
@@ -311,6 +323,7 @@ def services(stack: Stack, postgresql_url: str) -> Services:
     tokenizer = repository_parameter(stack.repository, "preprocessing", "tokenizer_dir")
     assert tokenizer, "the test Triton's preprocessing config names no tokenizer_dir"
     return Services(stack, api_key="deploy-contract-key", db_password="deploy-contract-password",
+                    reasoning_key="deploy-contract-reasoning-key-of-32-characters-or-more",
                     pg_socket=Path(query["host"][0]) / f".s.PGSQL.{port}", pg_port=port,
                     pg_admin_url=postgresql_url, tokenizer=Path(tokenizer))
 
@@ -346,7 +359,7 @@ def substitute(launch: Launch, services: Services, port: int) -> tuple[dict[str,
 
     stack = services.stack
     for name, value in launch.secret_env.items():
-        put("secret contents", name, services.db_password if value == "responses-db-password" else services.api_key)
+        put("secret contents", name, secret_values(services)[value].strip())
     if "TRITON_GRPC_URL" in env:
         put("env TRITON_GRPC_URL", "TRITON_GRPC_URL", stack.triton_grpc_url)
     if "TRITON_HTTP_URL" in env:
@@ -440,6 +453,12 @@ def sandbox_script(launch: Launch, services: Services, root: Path, staging: Path
     return "\n".join(lines) + "\n"
 
 
+def secret_values(services: Services) -> dict[str, str]:
+    """The contents of the test's secret files, by test value name."""
+    return {"api-keys": services.api_key + "\n", "responses-db-password": services.db_password + "\n",
+            "reasoning-keys": services.reasoning_key + "\n"}
+
+
 def stage_files(launch: Launch, services: Services, staging: Path, image: Image) -> None:
     staging.mkdir(parents=True)
     passwd = Path("/etc/passwd").read_text()
@@ -449,7 +468,7 @@ def stage_files(launch: Launch, services: Services, staging: Path, image: Image)
         group += f"{name}:x:{uid}:\n"
     (staging / "passwd").write_text(passwd)
     (staging / "group").write_text(group)
-    values = {"api-keys": services.api_key + "\n", "responses-db-password": services.db_password + "\n"}
+    values = secret_values(services)
     for index, secret in enumerate(launch.secrets):
         path = staging / f"secret-{index}"
         path.write_text(values[secret.content_of])
@@ -522,12 +541,45 @@ def exercise(launch: Launch, services: Services, work: Path) -> None:
                 f"{launch.target}: the other frontend cannot read it: {stored.status_code} {stored.text}\n{logs()}"
             assert stored.json()["id"] == created.json()["id"]
             assert stored.json()["output"] == created.json()["output"]
+            check_shared_reasoning_key(launch, services, client, pods, model, logs)
         for pod in pods:  # what the frontends logged never carries a secret
             text = pod.log.read_text(errors="replace")
-            assert services.db_password not in text and services.api_key not in text, f"{pod.log}: a secret is logged"
+            for secret in (services.db_password, services.api_key, services.reasoning_key):
+                assert secret not in text, f"{pod.log}: a secret is logged"
     finally:
         for pod in pods:
             stop_process(pod.process)
+
+
+def check_shared_reasoning_key(launch: Launch, services: Services, client: httpx.Client, pods: list[Running],
+                               model: str, logs: Any) -> None:
+    """Both frontends (started identically: one declared key file, staged once per frontend with the same
+    contents, readable by the target's uid) open reasoning sealed under the shared key, and refuse what a
+    process-local key sealed. Sealed here, not by a frontend: the targets run no reasoning parser, so their
+    outputs carry no reasoning to seal."""
+    declared = launch.env.get("RESPONSES_REASONING_KEYS_FILE")
+    assert declared, f"{launch.target}: no RESPONSES_REASONING_KEYS_FILE: each process would seal under its own key"
+    assert "RESPONSES_REASONING_KEYS" not in launch.env, f"{launch.target}: reasoning keys in env"
+    [key_file] = [s for s in launch.secrets if s.path == declared]
+    assert key_file.content_of == "reasoning-keys", f"{launch.target}: {declared} is not the reasoning-keys secret"
+    shared, stranger = ReasoningSeal([services.reasoning_key]), ReasoningSeal(["another-process-key-" + "x" * 32])
+    question = {"role": "user", "content": "Hello"}
+
+    def turn(url: str, seal: ReasoningSeal) -> httpx.Response:
+        reasoning = {"type": "reasoning", "id": "rs_deploy_contract", "summary": [],
+                     "encrypted_content": seal.seal("Thinking about hello.")}
+        return client.post(f"{url}/v1/responses", json={
+            "model": model, "input": [question, reasoning, {"role": "assistant", "content": "Hi."}, question],
+            "max_output_tokens": 2, "store": False, "include": ["reasoning.encrypted_content"]})
+
+    for pod in pods:
+        opened = turn(pod.url, shared)
+        assert opened.status_code == 200, \
+            f"{launch.target}: {pod.url} cannot open reasoning sealed under the shared key: " \
+            f"{opened.status_code} {opened.text}\n{logs()}"
+        refused = turn(pod.url, stranger)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_encrypted_content", \
+            f"{launch.target}: reasoning sealed under another key: {refused.status_code} {refused.text}"
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -542,7 +594,8 @@ def test_target_starts_as_shipped(target: str, services: Services, tmp_path: Pat
             OUTCOMES[key] = str(exc)
             raise
         OUTCOMES[key] = None
-        print(f"{target}: ready, chat and a stored response read back in {time.monotonic() - started:.0f} s")
+        print(f"{target}: ready, chat, a stored response read back and shared reasoning keys in "
+              f"{time.monotonic() - started:.0f} s")
     elif OUTCOMES[key] is not None:
         pytest.fail(f"{target} declares its frontend as an earlier target does, which failed:\n{OUTCOMES[key]}")
 
@@ -557,3 +610,9 @@ def test_image_and_targets_are_read_from_the_files() -> None:
         launch = declared_launch(target)
         assert launch.uid == 10001 and launch.read_only_root, target
         assert "/tmp" in launch.writable, target
+        # Each frontend runs the image's own command, its secrets read from files by the frontend itself.
+        assert launch.argv == image.entrypoint + image.cmd, f"{target}: {launch.argv}"
+        files = {s.content_of: s.path for s in launch.secrets}
+        assert launch.env["RESPONSES_DB_PASSWORD_FILE"] == files["responses-db-password"], target
+        assert launch.env["RESPONSES_REASONING_KEYS_FILE"] == files["reasoning-keys"], target
+        assert not launch.secret_env, f"{target}: secrets in env"

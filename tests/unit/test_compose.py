@@ -1,6 +1,7 @@
 """docker/compose.yaml, read as Compose reads it (docker/validate_compose.py: the vendored Compose
 Specification schema, compose's interpolation): `make lint`'s check refuses what Compose refuses, and the
-frontend's store is the compose PostgreSQL, its password a secret file. tests/integration/
+frontend's store is the compose PostgreSQL, its password a secret file, and its workers share reasoning keys
+from another. tests/integration/
 test_deploy_contract.py starts the frontend as declared here."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker" / "compose.yaml"
-ENV = {"MODEL_DIR": "/models/hf", "RESPONSES_DB_PASSWORD_FILE": "/run/pw"}
+ENV = {"MODEL_DIR": "/models/hf", "RESPONSES_DB_PASSWORD_FILE": "/run/pw", "RESPONSES_REASONING_KEYS_FILE": "/run/rk"}
 
 
 def validate_compose():
@@ -58,8 +59,24 @@ def test_frontend_stores_responses_in_the_compose_postgresql() -> None:
     # The password: one secret file, read by both; never a literal, never an env value of this file.
     assert model["secrets"]["responses_db_password"]["file"] == ENV["RESPONSES_DB_PASSWORD_FILE"]
     assert db["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/responses_db_password"
-    assert "read -r PGPASSWORD < /run/secrets/responses_db_password;" in frontend["command"][2]
+    # The frontend reads the file itself and runs the image's own command (no shell wrapper).
+    assert frontend["environment"]["RESPONSES_DB_PASSWORD_FILE"] == "/run/secrets/responses_db_password"
+    assert "command" not in frontend and "entrypoint" not in frontend
     assert not any("PASSWORD" in k and not k.endswith("_FILE") for s in model["services"].values()
                    for k in (s.get("environment") or {}))
     # Nothing written outside /tmp.
     assert frontend["read_only"] is True and frontend["tmpfs"] == ["/tmp"]
+
+
+def test_frontend_workers_share_reasoning_keys_from_a_secret_file() -> None:
+    """Sealed reasoning (encrypted_content) made by one worker must open in any other: a key file shared by
+    all, never the per-process key a PostgreSQL store would otherwise get."""
+    v = validate_compose()
+    model = v.load(COMPOSE, ENV)
+    frontend = model["services"]["frontend"]
+    assert model["secrets"]["responses_reasoning_keys"]["file"] == ENV["RESPONSES_REASONING_KEYS_FILE"]
+    assert "responses_reasoning_keys" in frontend["secrets"]
+    assert frontend["environment"]["RESPONSES_REASONING_KEYS_FILE"] == "/run/secrets/responses_reasoning_keys"
+    assert "RESPONSES_REASONING_KEYS" not in frontend["environment"]
+    with pytest.raises(v.ComposeError, match="RESPONSES_REASONING_KEYS_FILE"):
+        v.load(COMPOSE, {k: v for k, v in ENV.items() if k != "RESPONSES_REASONING_KEYS_FILE"})

@@ -429,9 +429,9 @@ def test_multinode_runs_no_ssh_and_its_workers_only_sleep() -> None:
         assert not [p for p in c.get("ports", []) if p["containerPort"] in (22, 2222)], c["name"]
         assert not [e for e in c.get("env", []) if e["name"].startswith("OMPI_MCA_plm_rsh")], c["name"]
     for spec in pod_specs(resource(docs, "LeaderWorkerSet", "tritonllm")):
-        # No SSH keys: the only Secrets are the API keys and the Responses store's password (the frontend's).
-        assert {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} <= {"tritonllm-api-keys",
-                                                                                        "tritonllm-responses-db"}
+        # No SSH keys: the only Secrets are the frontend's (API keys, reasoning keys, the store's password).
+        assert {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} <= {
+            "tritonllm-api-keys", "tritonllm-reasoning-keys", "tritonllm-responses-db"}
     # The launch agent calls kubectl, never ssh; the image installs no SSH server.
     agent = [line.split("#")[0] for line in (K8S / "overlays" / "multinode" / "kubessh.sh").read_text().splitlines()]
     assert not [line for line in agent if re.search(r"\bssh\b|sshd", line)]
@@ -933,17 +933,40 @@ def test_every_overlay_shares_one_postgresql_store_whose_password_is_a_secret_fi
     assert service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
     postgres = statefulset["spec"]["template"]["spec"]["containers"][0]
     assert env_of(postgres)["POSTGRES_USER"] == match.group(1) and env_of(postgres)["POSTGRES_DB"] == match.group(4)
-    # The password: a file from the Secret in both pods, read by the frontend's command before it exec's the
-    # image's; no container anywhere takes a Secret through env.
+    # The password: a file from the Secret in both pods; no container anywhere takes a Secret through env.
     for c in all_containers(docs):
         assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in c.get("env", [])), c["name"]
     volumes = {v["name"]: v for v in server_pod(docs)["spec"]["volumes"]}
     mounts = {m["mountPath"]: volumes[m["name"]] for m in frontend["volumeMounts"]}
     password_file = env_of(postgres)["POSTGRES_PASSWORD_FILE"]
     assert mounts[str(Path(password_file).parent)]["secret"]["secretName"] == "tritonllm-responses-db"
-    assert frontend["command"][:2] == ["/bin/sh", "-c"]
-    assert f"read -r PGPASSWORD < {password_file};" in frontend["command"][2]
-    assert frontend["command"][2].endswith("exec python -m frontend")
+    # The frontend reads it itself (RESPONSES_DB_PASSWORD_FILE) and runs the image's own command.
+    assert env_of(frontend)["RESPONSES_DB_PASSWORD_FILE"] == password_file
+    assert "command" not in frontend and "args" not in frontend, f"{overlay}: the image's command, unwrapped"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_frontend_shares_the_reasoning_keys_from_a_secret_file(overlay: str) -> None:
+    """Several workers per pod and several pods: sealed reasoning (encrypted_content) one process makes must
+    open in every other, so all read one key file, the Secret `tritonllm-reasoning-keys` (key `keys`), mounted
+    like the API keys (0440, the frontend's fsGroup); never an env value."""
+    docs = render(overlay)
+    pod = server_pod(docs)
+    frontend = container(pod, "frontend")
+    env = env_of(frontend)
+    assert "RESPONSES_REASONING_KEYS" not in env
+    path = Path(env["RESPONSES_REASONING_KEYS_FILE"])
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m for m in frontend["volumeMounts"]}
+    mount = mounts[str(path.parent)]
+    assert mount.get("readOnly") is True
+    secret = volumes[mount["name"]]["secret"]
+    assert secret["secretName"] == "tritonllm-reasoning-keys"
+    assert secret.get("defaultMode") == 0o440
+    assert [item["path"] for item in secret.get("items", [{"key": "keys", "path": "keys"}])
+            if item["key"] == "keys"] == [path.name]
+    fs_group = pod["spec"]["securityContext"]["fsGroup"]
+    assert fs_group == frontend["securityContext"]["runAsGroup"], "the frontend reads the 0440 file by group"
 
 
 def test_postgresql_pod_is_restricted_and_reachable_from_the_servers_only() -> None:
