@@ -1,4 +1,4 @@
-# make engine | serve | rollout | rollback | test | bench | bench-pa | bench-frontend | bench-grpc-client | bench-overhead   (see README.md)
+# make engine | serve | rollout | rollback | test | docs | bench | bench-pa | bench-frontend | bench-grpc-client | bench-overhead   (see README.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -28,7 +28,7 @@ NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-version
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)
 
-.PHONY: install codex-cli engine serve rollout rollback test soak bench bench-pa bench-frontend bench-grpc-client bench-overhead clean lint
+.PHONY: install codex-cli engine serve rollout rollback test docs soak bench bench-pa bench-frontend bench-grpc-client bench-overhead clean lint
 
 # A venv with every role's pinned dependencies; rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -121,10 +121,29 @@ bench-pa: install
 # docker/compose-spec/README.md; jsonschema and PyYAML from the venv: nothing is installed on the machine), and
 # the Dockerfiles must pass hadolint (pinned in the dev extra). MODEL_DIR, RESPONSES_DB_PASSWORD_FILE and
 # RESPONSES_REASONING_KEYS_FILE are only interpolated, never read.
-lint: install lint-k8s
+lint: install lint-k8s lint-docs
 	MODEL_DIR=/models/hf RESPONSES_DB_PASSWORD_FILE=/run/responses-db.password \
 		RESPONSES_REASONING_KEYS_FILE=/run/responses-reasoning.keys $(PY) docker/validate_compose.py docker/compose.yaml
 	$(VENV)/bin/hadolint docker/Dockerfile.trtllm docker/Dockerfile.frontend docker/Dockerfile.cpu
+
+# The documentation site (docs/, mkdocs.yml): MkDocs with the Material theme, pinned in docs/requirements.txt and
+# installed into their own venv, $(BUILD)/docs-venv (never the project's venv or the machine). `make docs` builds
+# it into $(BUILD)/site (git-ignored); `make lint` builds it too, strict: a broken link, a missing page or an
+# unknown nav entry fails. The configuration reference's table is generated from frontend/settings.py at each
+# build (docs/hooks/site.py runs docs/settings_reference.py with the project's venv).
+DOCS_VENV := $(BUILD)/docs-venv
+SITE_DIR := $(BUILD)/site
+
+$(DOCS_VENV)/.installed: docs/requirements.txt
+	rm -rf $(DOCS_VENV)
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r docs/requirements.txt
+	touch $@
+
+.PHONY: lint-docs
+docs lint-docs: install $(DOCS_VENV)/.installed
+	TRITONLLM_PYTHON=$(abspath $(PY)) $(DOCS_VENV)/bin/mkdocs build --strict --clean --site-dir $(abspath $(SITE_DIR))
+	@echo "docs: $(SITE_DIR)/index.html"
 
 # deploy/kubernetes/, offline: every overlay renders (kubectl's built-in kustomize), every core resource
 # validates against the Kubernetes $(K8S_VERSION) schemas (strict: unknown fields fail), and checkov finds
