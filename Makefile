@@ -142,7 +142,7 @@ $(DOCS_VENV)/.installed: docs/requirements.txt
 
 .PHONY: lint-docs
 docs lint-docs: install $(DOCS_VENV)/.installed
-	TRITONLLM_PYTHON=$(abspath $(PY)) $(DOCS_VENV)/bin/mkdocs build --strict --clean --site-dir $(abspath $(SITE_DIR))
+	NO_MKDOCS_2_WARNING=1 TRITONLLM_PYTHON=$(abspath $(PY)) $(DOCS_VENV)/bin/mkdocs build --strict --clean --site-dir $(abspath $(SITE_DIR))
 	@echo "docs: $(SITE_DIR)/index.html"
 
 # deploy/kubernetes/, offline: every overlay renders (kubectl's built-in kustomize), every core resource
