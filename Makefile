@@ -18,7 +18,7 @@ NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-version
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)
 
-.PHONY: install engine serve rollout rollback test soak bench bench-pa bench-frontend bench-grpc-client bench-overhead clean lint
+.PHONY: install engine serve rollout rollback test test-deps soak bench bench-pa bench-frontend bench-grpc-client bench-overhead clean lint
 
 # A venv with every role's pinned dependencies; rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -51,7 +51,12 @@ rollback: install
 	@test -n "$(NAME)" || { echo "usage: make rollback NAME=<model>" >&2; exit 2; }
 	$(PY) -m launcher rollback --name $(NAME) --work-dir $(BUILD)
 
-test: install
+# The browser tests' Chromium (tests/integration/test_console.py): Debian's chromium package, installed once
+# (~1-2 min, ~300 MB); Playwright (the dev extra) drives it, and downloads no browser of its own.
+test-deps:
+	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; }
+
+test: install test-deps
 	$(PY) -m pytest -q
 
 # 32 concurrent streams for 3 minutes (SOAK_SECONDS to change): zero errors, frontend RSS flat; prints figures.
