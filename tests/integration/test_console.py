@@ -42,7 +42,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-back
 SCREENSHOTS = Path(os.environ.get("CONSOLE_SCREENSHOTS", REPO_ROOT / "build" / "test-output" / "console"))
 KEY = "sk-console-test"
 HTML_MODEL, PLAIN_MODEL = "console-html", "console-plain"
-HTML_TEXT = "<img src=x onerror=alert(1)>"
+HTML_TEXT = '<img src=x onerror="alert(1)">'  # no token twice in a scripted chain: one bare '=' only
 PLAIN_TEXT = "Plain words."
 USER_TEXT = "Say something in Chinese, with emoji."  # scripted_model.CHAT_MESSAGES: the chains start after it
 WAIT_MS = 120_000  # a bound for a hung stack, not a speed
