@@ -147,13 +147,13 @@ def send(tab: Any, text: str, max_tokens: int, temperature: str = "0", schema: s
     tab.fill("#prompt", text)
     count = tab.locator(".message.assistant").count()
     tab.click("#send")
-    tab.wait_for_function(f"document.querySelectorAll('.message.assistant').length > {count}")
+    tab.wait_for_function(f"() => document.querySelectorAll('.message.assistant').length > {count}")
 
 
 def wait_done(tab: Any) -> Any:
     answer = last_answer(tab)
-    tab.wait_for_function("(() => { const a = [...document.querySelectorAll('.message.assistant')].pop();"
-                          " return a && a.dataset.state !== 'streaming'; })()")
+    tab.wait_for_function("() => { const a = [...document.querySelectorAll('.message.assistant')].pop();"
+                          " return a && a.dataset.state !== 'streaming'; }")
     return answer
 
 
@@ -164,7 +164,7 @@ def test_1_a_wrong_key_shows_the_server_error_and_the_right_key_opens_the_api(pa
     assert "didn't provide an API key" in page.text_content("#error")
     page.fill("#api-key", "sk-wrong")
     page.click("#key-save")
-    page.wait_for_function("document.getElementById('error').textContent.includes('Incorrect API key provided')")
+    page.wait_for_function("() => document.getElementById('error').textContent.includes('Incorrect API key provided')")
     page.fill("#api-key", KEY)
     page.click("#key-save")
     page.wait_for_selector("#keybar[hidden]", state="attached")
@@ -195,7 +195,7 @@ def test_2_streamed_text_grows_and_the_answer_reports_ttft_speed_and_finish(page
 def test_3_stop_cancels_the_request_mid_answer(page: Any, stack: Stack) -> None:
     before = engine_metrics(stack.triton_metrics_url, SLOW_MODEL)["cancelled_requests_total"]
     send(page, "Tell me a long story", max_tokens=400)  # >= 20 s on the slow engine
-    page.wait_for_function("Number([...document.querySelectorAll('.message.assistant')].pop().dataset.chunks || 0) >= 3")
+    page.wait_for_function("() => Number([...document.querySelectorAll('.message.assistant')].pop().dataset.chunks || 0) >= 3")
     page.click("#stop")
     answer = wait_done(page)
     assert answer.get_attribute("data-finish") == "stopped"
@@ -213,13 +213,13 @@ def test_4_a_json_schema_answer_parses(page: Any) -> None:
               "additionalProperties": False}
     send(page, "How do you feel?", max_tokens=200, temperature="1", schema=json.dumps(schema))
     answer = wait_done(page)
-    assert answer.get_attribute("data-json") == "valid", answer.text_content()
+    assert answer.get_attribute("data-json") == "valid", (answer.text_content(), page.text_content("#error"))
     assert json.loads(answer.locator(".content").text_content())["mood"] in ("happy", "sad")
 
 
 def test_5_the_charts_draw_non_empty_series_after_traffic(page: Any) -> None:
     for chart in ("chart-tokens", "chart-requests", "chart-ttft", "chart-itl", "chart-kv"):
-        page.wait_for_function(f"Number(document.getElementById('{chart}').dataset.points || 0) > 0")
+        page.wait_for_function(f"() => Number(document.getElementById('{chart}').dataset.points || 0) > 0")
     # uPlot drew them: a canvas per chart, and the tokens/s series has a positive value over the last minutes
     assert page.locator("#charts canvas").count() >= 5
     summary = page.evaluate("fetch('/console/summary.json').then(r => r.json())")
@@ -242,7 +242,7 @@ def test_6_a_second_model_is_picked_and_model_html_is_shown_as_text(browser: Any
     tab.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     try:
         tab.goto(console.named + "/")
-        tab.wait_for_function("Number(document.getElementById('model').dataset.loaded || 0) >= 2")
+        tab.wait_for_function("() => Number(document.getElementById('model').dataset.loaded || 0) >= 2")
         assert sorted(tab.eval_on_selector_all("#model option", "os => os.map(o => o.value)")) == \
             sorted([HTML_MODEL, PLAIN_MODEL])
         tab.select_option("#model", PLAIN_MODEL)
