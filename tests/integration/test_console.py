@@ -128,8 +128,7 @@ def page(browser: Any, console: Console) -> Iterator[Any]:
 def screenshot(tab: Any, name: str, viewport: dict[str, int], selector: str) -> None:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     tab.set_viewport_size(viewport)
-    tab.locator(selector).scroll_into_view_if_needed()
-    tab.screenshot(path=str(SCREENSHOTS / name), full_page=True)
+    tab.locator(selector).screenshot(path=str(SCREENSHOTS / name))  # that part of the page, at that width
 
 
 def last_answer(tab: Any) -> Any:
