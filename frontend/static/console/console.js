@@ -65,6 +65,46 @@
     return node;
   }
 
+  // Markdown: marked's lexer (a vendored library) reads the answer, and the page builds the elements itself with
+  // textContent: no HTML from the model ever reaches the DOM (raw HTML in an answer is shown as its text), links
+  // become text with their address (no model-chosen URL is ever followed).
+  const BLOCK_TAGS = { paragraph: "p", blockquote: "blockquote" };
+  const INLINE_TAGS = { strong: "strong", em: "em", del: "del" };
+
+  function inline(tokens, parent) {
+    for (const token of tokens || []) {
+      if (INLINE_TAGS[token.type]) { inline(token.tokens, parent.appendChild(element(INLINE_TAGS[token.type]))); }
+      else if (token.type === "codespan") { parent.appendChild(element("code", "", token.text)); }
+      else if (token.type === "br") { parent.appendChild(document.createElement("br")); }
+      else if (token.type === "link") { inline(token.tokens, parent); parent.appendChild(document.createTextNode(" <" + token.href + ">")); }
+      else if (token.type === "text" && token.tokens) { inline(token.tokens, parent); }
+      else { parent.appendChild(document.createTextNode(token.type === "escape" || token.type === "text" ? token.text : token.raw)); }
+    }
+  }
+
+  function blocks(tokens, parent) {
+    for (const token of tokens || []) {
+      if (BLOCK_TAGS[token.type]) {
+        const node = parent.appendChild(element(BLOCK_TAGS[token.type]));
+        if (token.type === "blockquote") blocks(token.tokens, node); else inline(token.tokens, node);
+      } else if (token.type === "heading") { inline(token.tokens, parent.appendChild(element("h" + Math.min(6, token.depth + 2)))); }
+      else if (token.type === "code") { parent.appendChild(element("pre")).appendChild(element("code", "", token.text)); }
+      else if (token.type === "list") {
+        const list = parent.appendChild(element(token.ordered ? "ol" : "ul"));
+        for (const item of token.items) blocks(item.tokens, list.appendChild(element("li")));
+      } else if (token.type === "text") { inline(token.tokens || [token], parent.appendChild(element("p"))); }
+      else if (token.type === "hr") { parent.appendChild(document.createElement("hr")); }
+      else if (token.type !== "space") { parent.appendChild(element("p", "", token.raw)); }  // html, table, ...: as text
+    }
+  }
+
+  function renderAnswer(node, text) {
+    if (!window.marked) { node.textContent = text; return; }
+    const out = document.createElement("div");
+    try { blocks(window.marked.lexer(text), out); } catch (e) { out.replaceChildren(document.createTextNode(text)); }
+    node.replaceChildren(...out.childNodes);
+  }
+
   function addMessage(role, text) {
     const box = element("div", "message " + role);
     box.appendChild(element("div", "role", role));
@@ -165,7 +205,7 @@
                 chunks += 1;
               }
               if (thought) { reasoning.hidden = false; reasoning.textContent += thought; }
-              if (piece) { answer += piece; content.textContent = answer; }
+              if (piece) { answer += piece; renderAnswer(content, answer); }
               if (choice.finish_reason) finish = choice.finish_reason;
             }
           }
