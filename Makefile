@@ -28,7 +28,7 @@ NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-version
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)
 
-.PHONY: install codex-cli engine serve rollout rollback test docs soak bench bench-pa bench-frontend bench-grpc-client bench-overhead clean lint
+.PHONY: install codex-cli engine serve rollout rollback test test-deps docs soak bench bench-pa bench-frontend bench-grpc-client bench-overhead clean lint
 
 # A venv with every role's pinned dependencies; rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -61,7 +61,12 @@ rollback: install
 	@test -n "$(NAME)" || { echo "usage: make rollback NAME=<model>" >&2; exit 2; }
 	$(PY) -m launcher rollback --name $(NAME) --work-dir $(BUILD)
 
-test: install codex-cli
+# The browser tests' Chromium (tests/integration/test_console.py): Debian's chromium package, installed once
+# (~1-2 min, ~300 MB); Playwright (the dev extra) drives it, and downloads no browser of its own.
+test-deps:
+	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; }
+
+test: install codex-cli test-deps
 	$(PY) -m pytest -q
 
 # The Codex CLI (tests/integration/test_codex_cli.py runs it against the stack): the pinned npm package, with the

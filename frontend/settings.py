@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     rollout_hold_s: float = Field(300.0, gt=0, description="a rollout that swaps versions (TensorRT-LLM: one GPU "
                                                            "holds one engine) holds the model's new requests "
                                                            "while it does; past this wait they get a 503")
+    console: bool = Field(True, description="serve the browser console at / (chat playground and live charts; "
+                                            "static files in the package, no key in the page: it asks for one); "
+                                            "false: / and /console/ are not routed")
     metrics_require_key: bool = Field(False, description="GET /metrics needs an API key too (when keys are set)")
     # Admission control
     max_in_flight: int = Field(64, ge=1, description="generation requests running at once; more wait in a queue")

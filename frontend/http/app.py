@@ -11,7 +11,8 @@ from typing import AsyncIterator
 import anyio
 from fastapi import FastAPI
 
-from frontend.http import admin, responses_routes
+from frontend.http import admin, console, responses_routes
+from frontend.observability.console import ConsoleSummary
 from frontend.openai.errors import OpenAIError, install_error_handlers
 from frontend.http.middleware import Edge, EdgeMiddleware
 from frontend.models.registry import ModelRegistry
@@ -90,5 +91,9 @@ def create_app(settings: Settings, coordinator: str | None = None) -> FastAPI:
     app.include_router(router)
     app.include_router(responses_routes.router)
     app.include_router(admin.router)
+    if settings.console:  # the browser console (frontend/http/console.py): GET /, its files, its charts' data
+        app.state.console = ConsoleSummary()
+        app.include_router(console.router)
+        app.mount(console.STATIC_PREFIX, console.static_files(), name="console")
     app.add_middleware(EdgeMiddleware, edge=edge)
     return app

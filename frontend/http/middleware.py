@@ -44,7 +44,9 @@ log = logging.getLogger("frontend")
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 HEALTH_PATHS = ("/health/live", "/health/ready")
-KNOWN_ROUTES = GENERATION_PATHS + HEALTH_PATHS + ("/v1/models", "/tokenize", "/detokenize", "/metrics")
+CONSOLE_PAGE, CONSOLE_STATIC, CONSOLE_SUMMARY = "/", "/console/static/", "/console/summary.json"  # http/console.py
+KNOWN_ROUTES = GENERATION_PATHS + HEALTH_PATHS + ("/v1/models", "/tokenize", "/detokenize", "/metrics", CONSOLE_PAGE,
+                                                  CONSOLE_SUMMARY)
 TIMEOUT_HEADER = "x-request-timeout"
 
 
@@ -69,6 +71,8 @@ def route_label(path: str) -> str:
         return "/v1/responses/{response_id}" + (f"/{tail}" if tail in ("input_items", "cancel") else "")
     if path.startswith(ADMIN_PREFIX + "/"):
         return ADMIN_PREFIX
+    if path.startswith(CONSOLE_STATIC):
+        return CONSOLE_STATIC + "{file}"
     return "unmatched"
 
 
@@ -246,14 +250,17 @@ class EdgeMiddleware:
                 raise service_unavailable("the server is shutting down")
             await self.app(scope, receive, send)
             return
-        is_metrics = path == "/metrics"
+        # The console's summary is the metrics' (open unless metrics_require_key); its page and files hold no
+        # secret and ask for a key themselves, so they are served without one (GET only).
+        is_metrics = path in ("/metrics", CONSOLE_SUMMARY)
+        is_page = (path == CONSOLE_PAGE or path.startswith(CONSOLE_STATIC)) and scope.get("method") in ("GET", "HEAD")
         if edge.draining and not is_metrics:
             raise self._reject(ctx, "shutting_down", service_unavailable(
                 "the server is shutting down; not accepting new requests"))
         # /admin checks admin keys itself (frontend/http/admin.py): an API key must not open it, nor an admin
         # key the API.
         is_admin = path.startswith(ADMIN_PREFIX + "/")
-        if edge.keys.enabled and not is_admin and (not is_metrics or settings.metrics_require_key):
+        if edge.keys.enabled and not is_admin and not is_page and (not is_metrics or settings.metrics_require_key):
             identity = edge.keys.identify(bearer_token(headers.get("authorization")))
             if identity is None:
                 missing = bearer_token(headers.get("authorization")) is None
@@ -261,7 +268,7 @@ class EdgeMiddleware:
                     "You didn't provide an API key. Provide it as 'Authorization: Bearer <key>'." if missing
                     else "Incorrect API key provided."))
             ctx.key_id, ctx.owner = identity
-        if is_metrics and scope.get("method") in ("GET", "HEAD"):
+        if path == "/metrics" and scope.get("method") in ("GET", "HEAD"):
             body = await exposition(edge.metrics, edge.triton_metrics, await edge.limits.occupancy())
             await Response(body, media_type=CONTENT_TYPE_LATEST)(scope, receive, send)
             return
@@ -324,7 +331,7 @@ class EdgeMiddleware:
                 m.prompt_tokens.labels(ctx.route, ctx.model, ctx.model_version).inc(ctx.prompt_tokens)
             if ctx.completion_tokens:
                 m.completion_tokens.labels(ctx.route, ctx.model, ctx.model_version).inc(ctx.completion_tokens)
-        if ctx.route in HEALTH_PATHS or ctx.route == "/metrics":
+        if ctx.route in HEALTH_PATHS or ctx.route in ("/metrics", CONSOLE_SUMMARY):
             return  # probes and scrapes: metrics only, no log line each
         fields: dict[str, Any] = {
             "request_id": ctx.request_id, "method": ctx.method, "route": ctx.route, "status": status,

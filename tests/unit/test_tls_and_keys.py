@@ -41,7 +41,9 @@ def compose() -> dict:
 def test_only_the_frontend_publishes_a_port(compose: dict) -> None:
     services = compose["services"]
     published = {name for name, service in services.items() if service.get("ports")}
-    assert published == {"frontend"}, "Triton has no auth: its ports must never be published"
+    # The `monitoring` profile's Grafana (its own login; README "Console") is the one other published port.
+    assert published == {"frontend", "grafana"}, "Triton has no auth: its ports must never be published"
+    assert services["grafana"]["profiles"] == ["monitoring"] and services["grafana"]["ports"] == ["127.0.0.1:3000:3000"]
     assert "ports" not in services["triton"]
     for port in services["frontend"]["ports"]:
         assert port.endswith(":9000") and not any(p in port for p in (":8000", ":8001", ":8002"))
@@ -53,7 +55,8 @@ def test_triton_sits_on_an_internal_network_only_the_frontend_joins(compose: dic
     assert set(services["triton"]["networks"]) <= internal and services["triton"]["networks"]
     joined = {name for name, service in services.items()
               if set(service.get("networks") or ()) & set(services["triton"]["networks"])}
-    assert joined == {"triton", "frontend"}
+    assert joined == {"triton", "frontend", "prometheus"}  # Prometheus (profile `monitoring`) scrapes it, unpublished
+    assert services["prometheus"]["profiles"] == ["monitoring"] and "ports" not in services["prometheus"]
     assert "network_mode" not in services["triton"]
     assert services["frontend"]["environment"]["TRITON_GRPC_URL"] == "triton:8001"
 
