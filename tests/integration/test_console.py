@@ -102,8 +102,8 @@ def console(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    assert CHROMIUM_MISSING is None, CHROMIUM_MISSING
     """One Chromium for every check of this module."""
+    assert CHROMIUM_MISSING is None, CHROMIUM_MISSING
     with playwright_api.sync_playwright() as p:
         chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
         try:
