@@ -88,5 +88,6 @@ def create_app(settings: Settings, coordinator: str | None = None) -> FastAPI:
     app.include_router(router)
     app.include_router(responses_routes.router)
     app.include_router(admin.router)
+    app.include_router(admin.lora_router)
     app.add_middleware(EdgeMiddleware, edge=edge)
     return app
