@@ -139,6 +139,11 @@ class LoraCache:
             self._adapters[task_id] = adapter
         return adapter
 
+    def drop(self, task_id: int) -> None:
+        """Forget a task (the TensorRT-LLM contract double evicts as upstream's cache would)."""
+        with self._lock:
+            self._adapters.pop(task_id, None)
+
     @property
     def nbytes(self) -> int:
         return sum(adapter.nbytes for adapter in self._adapters.values())

@@ -61,6 +61,8 @@ ENGINE_CLIENT_ERRORS = (
     "exceeds maximum input length",
     "invalid guided_decoding_guide",  # the CPU engine's grammar compiler refused the guide
     "guided decoding is off",
+    "lora_config:",  # the CPU engine refused an adapter's tensors (cpu_engine/lora.py)
+    "lora_weights:",
 )
 # gRPC / Triton statuses that say the request itself was wrong (Triton: TRITONSERVER_ERROR_INVALID_ARG).
 CLIENT_ERROR_STATUSES = ("INVALID_ARGUMENT", "INVALID_ARG")
