@@ -68,7 +68,8 @@ def cache_for(runner: LlamaRunner) -> LoraCache:
 
 def load(cache: LoraCache, task_id: int, path: Path, checkpoint: Path):
     tensors = convert_peft(path, max_rank=64, base=BaseShapes.from_checkpoint(checkpoint))
-    return cache.resolve(task_id, tensors.weights.astype(np.float32), tensors.config)
+    # float16: lora_weights as both engines' config declares it (upstream's TYPE_FP16), as the frontend sends them.
+    return cache.resolve(task_id, tensors.weights.astype(np.float16), tensors.config)
 
 
 def dequantized(checkpoint: Path, int8_file: Path) -> LlamaForCausalLM:
