@@ -52,6 +52,9 @@ def create_app(settings: Settings, coordinator: str | None = None) -> FastAPI:
                               stall_probe_s=settings.engine_stall_probe_s)
         app.state.settings = settings
         app.state.models = ModelRegistry(settings, engine)
+        if settings.lora_modules or settings.lora_runtime_updates:  # vllm:lora_requests_info on /metrics
+            adapters = app.state.models.adapters
+            edge.metrics.live.lora = lambda: (settings.max_loras, *adapters.requests_info())
         if link is not None:  # from here on, other workers' rollouts reach this registry
             await link.connect(FleetMember(app.state.models).run)
         app.state.rollouts = Rollouts(app.state.models, engine, settings.rollout_grace_s,

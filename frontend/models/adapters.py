@@ -171,6 +171,11 @@ class AdapterSet:
     def engines(self) -> list[AdapterEngine]:
         return list(self._engines.values())
 
+    def requests_info(self) -> tuple[list[str], list[str]]:
+        """vllm:lora_requests_info's adapters: (with requests generating, with requests not generating yet)."""
+        return lora_requests_info(self.engines())
+
+
     # ----- loaded while serving ------------------------------------------------------------------------
     def add(self, spec: AdapterSpec) -> None:
         """Record a loaded adapter for every worker (the caller converted and checked it first)."""
@@ -226,3 +231,11 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
 
 def _specs(state: dict[str, dict[str, Any]]) -> dict[str, AdapterSpec]:
     return {name: AdapterSpec(name, Path(item["path"]), item.get("base")) for name, item in state.items()}
+
+
+def lora_requests_info(engines: list[AdapterEngine]) -> tuple[list[str], list[str]]:
+    """(adapters with a request generating, adapters with a request in flight that is not generating yet:
+    waiting for admission), each name once, sorted."""
+    running = sorted({e.adapter.name for e in engines if e.running > 0})
+    waiting = sorted({e.adapter.name for e in engines if e.leases > e.running})
+    return running, waiting
