@@ -13,7 +13,11 @@ WEIGHTS ?=
 NAME ?=
 VERSION ?=
 KEEP_VERSIONS ?=
-ENGINE_FLAGS := --backend $(BACKEND) --output-dir $(BUILD) $(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET)) $(if $(WEIGHTS),--weights $(WEIGHTS))
+# MAX_LORA_RANK=<r> (BACKEND=trtllm): build with the LoRA plugin for adapters up to rank r; LORA_TARGET_MODULES
+# (TensorRT-LLM names, space-separated) narrows the modules (default: q/k/v/o/gate/up/down).
+MAX_LORA_RANK ?=
+LORA_TARGET_MODULES ?=
+ENGINE_FLAGS := --backend $(BACKEND) --output-dir $(BUILD) $(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET)) $(if $(WEIGHTS),--weights $(WEIGHTS)) $(if $(MAX_LORA_RANK),--max-lora-rank $(MAX_LORA_RANK)) $(if $(LORA_TARGET_MODULES),--lora-target-modules $(LORA_TARGET_MODULES))
 NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-versions $(KEEP_VERSIONS))
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)
