@@ -68,9 +68,23 @@ class LoraAdapter:
     layers: list[dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]]
     nbytes: int
     key: bytes = field(default=b"")
+    # Per layer and fused projection: every module's A stacked ([sum of ranks, in]: one product for q, k and v
+    # together) and each module's (B, output offset, its rows of the stacked product).
+    stacked: list[dict[str, tuple[torch.Tensor, list[tuple[torch.Tensor, int, int, int]]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.key = b"lora:%d" % self.task_id
+        for modules in self.layers:
+            stacked = {}
+            for projection, parts in modules.items():
+                starts = np.cumsum([0] + [a.shape[0] for a, _, _ in parts])
+                a_all = torch.cat([a for a, _, _ in parts]).contiguous()
+                bounds = list(zip(starts[:-1].tolist(), starts[1:].tolist()))
+                stacked[projection] = (a_all, [(b, offset, start, end) for (_, b, offset), (start, end)
+                                               in zip(parts, bounds)])
+                modules[projection] = [(a_all[start:end], b, offset) for (_, b, offset), (start, end)
+                                       in zip(parts, bounds)]  # views: one copy of each A
+            self.stacked.append(stacked)
 
 
 def adapter_from_tensors(task_id: int, weights: np.ndarray, config: np.ndarray, shapes: ModelShapes,
@@ -174,12 +188,13 @@ class LoraBatch:
         """out[rows] += B (A norm(x[rows])) for each adapter's rows and each of its modules in `projection`
         (norm: the norm the projection's input takes first, where `x` is the residual stream)."""
         for adapter, rows in self.groups:
-            modules = adapter.layers[layer].get(projection)
-            if not modules:
+            stacked = adapter.stacked[layer].get(projection)
+            if stacked is None:
                 continue
+            a, parts = stacked
             xr = x.index_select(0, rows).float()
             if norm is not None:
                 xr = norm(xr).float()
-            for a, b, offset in modules:
-                delta = (xr @ a.t()) @ b.t()
-                out[rows, offset:offset + b.shape[0]] += delta.to(out.dtype)
+            xa = xr @ a.t()
+            for b, offset, start, end in parts:
+                out[rows, offset:offset + b.shape[0]] += (xa[:, start:end] @ b.t()).to(out.dtype)
