@@ -156,6 +156,10 @@ class AdapterSet:
             self._converted[key] = Adapter(spec, tensors, task_id_of(spec.name, tensors))
         return self._converted[key]
 
+    def converted(self, spec: AdapterSpec) -> Adapter | None:
+        """The adapter if it was converted already (no file read)."""
+        return self._converted.get((spec.name, spec.path, spec.base))
+
     def forget(self, spec: AdapterSpec) -> None:
         """Drop a conversion, so that the next use reads the directory again."""
         self._converted.pop((spec.name, spec.path, spec.base), None)

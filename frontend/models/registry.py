@@ -210,7 +210,8 @@ class ModelRegistry:
         with each request. A base the server does not serve is a 404; an adapter that cannot serve it a 400."""
         base = await self.get(spec.base)
         try:
-            adapter = await asyncio.to_thread(self.adapters.adapter, spec, base_shapes(base))
+            adapter = self.adapters.converted(spec) or await asyncio.to_thread(
+                lambda: self.adapters.adapter(spec, base_shapes(base)))  # read and converted once, off the loop
         except AdapterError as exc:
             raise OpenAIError(400, f"The LoRA adapter '{spec.name}' cannot be served: {exc}",
                               "invalid_request_error", "model", "invalid_lora_adapter") from exc
