@@ -68,24 +68,29 @@ class LoraAdapter:
     layers: list[dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]]
     nbytes: int
     key: bytes = field(default=b"")
-    # Per layer and fused projection: every module's A stacked ([sum of ranks, in]: one product for q, k and v
-    # together) and each module's (B, output offset, its rows of the stacked product).
-    stacked: list[dict[str, tuple[torch.Tensor, list[tuple[torch.Tensor, int, int, int]]]]] = field(default_factory=list)
+    # Per layer and fused projection: (A of every module stacked [sum of ranks, in], B of every module laid out
+    # block-diagonally [lo:hi columns of the projection's output, sum of ranks], lo, hi): a projection's whole
+    # adapter is two products, whatever modules it targets (q, k and v together; gate and up together).
+    stacked: list[dict[str, tuple[torch.Tensor, torch.Tensor, int, int]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.key = b"lora:%d" % self.task_id
+        self.nbytes = 0
         for modules in self.layers:
             stacked = {}
             for projection, parts in modules.items():
-                starts = np.cumsum([0] + [a.shape[0] for a, _, _ in parts])
                 a_all = torch.cat([a for a, _, _ in parts]).contiguous()
-                bounds = list(zip(starts[:-1].tolist(), starts[1:].tolist()))
-                stacked[projection] = (a_all, [(b, offset, start, end) for (_, b, offset), (start, end)
-                                               in zip(parts, bounds)])
-                modules[projection] = [(a_all[start:end], b, offset) for (_, b, offset), (start, end)
-                                       in zip(parts, bounds)]  # views: one copy of each A
+                lo = min(offset for _, _, offset in parts)
+                hi = max(offset + b.shape[0] for _, b, offset in parts)
+                b_all = torch.zeros(hi - lo, a_all.shape[0])
+                start = 0
+                for a, b, offset in parts:
+                    b_all[offset - lo:offset - lo + b.shape[0], start:start + a.shape[0]] = b
+                    start += a.shape[0]
+                stacked[projection] = (a_all, b_all, lo, hi)
+                self.nbytes += a_all.nbytes + b_all.nbytes
             self.stacked.append(stacked)
-
+        self.layers = []  # the stacked copies replace them
 
 def adapter_from_tensors(task_id: int, weights: np.ndarray, config: np.ndarray, shapes: ModelShapes,
                          max_rank: int) -> LoraAdapter:
@@ -185,16 +190,24 @@ class LoraBatch:
         return cls([(adapter, torch.tensor(indices, dtype=torch.long)) for adapter, indices in rows.values()])
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str, norm=None) -> None:
-        """out[rows] += B (A norm(x[rows])) for each adapter's rows and each of its modules in `projection`
-        (norm: the norm the projection's input takes first, where `x` is the residual stream)."""
+        """out[rows] += B (A norm(x[rows])) for each adapter's rows and its modules in `projection` (norm: the norm
+        the projection's input takes first, where `x` is the residual stream)."""
         for adapter, rows in self.groups:
             stacked = adapter.stacked[layer].get(projection)
-            if stacked is None:
-                continue
-            a, parts = stacked
-            xr = x.index_select(0, rows).float()
-            if norm is not None:
-                xr = norm(xr).float()
-            xa = xr @ a.t()
-            for b, offset, start, end in parts:
-                out[rows, offset:offset + b.shape[0]] += (xa[:, start:end] @ b.t()).to(out.dtype)
+            if stacked is not None:
+                xr = x.index_select(0, rows)
+                _add_product(out, norm(xr) if norm is not None else xr, rows, stacked)
+
+    def add_down(self, out: torch.Tensor, gate_up: torch.Tensor, act, layer: int) -> None:
+        """out[rows] += the down projection's adapter of act(gate) x up, computed for the adapters' rows only."""
+        for adapter, rows in self.groups:
+            stacked = adapter.stacked[layer].get("down")
+            if stacked is not None:
+                gate, up = gate_up.index_select(0, rows).chunk(2, dim=-1)
+                _add_product(out, act(gate.contiguous()) * up, rows, stacked)
+
+
+def _add_product(out: torch.Tensor, xr: torch.Tensor, rows: torch.Tensor, stacked) -> None:
+    a, b, lo, hi = stacked
+    delta = (xr.float() @ a.t()) @ b.t()
+    out[:, lo:hi].index_add_(0, rows, delta.to(out.dtype))

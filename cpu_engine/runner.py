@@ -311,10 +311,12 @@ class FusedLayer:
             gate, up = gate_up.chunk(2, dim=-1)
             return hidden + self.down(self.act(gate) * up)
         lora.add(gate_up, hidden, index, "gate_up", self.post_norm)
-        gate, up = gate_up.chunk(2, dim=-1)
-        activated = self.act(gate.contiguous()) * up
-        out = self.down.fused(gate_up, gated=True, add_to=hidden) if self.fused else hidden + self.down(activated)
-        lora.add(out, activated, index, "down")
+        if self.fused:
+            out = self.down.fused(gate_up, gated=True, add_to=hidden)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = hidden + self.down(self.act(gate) * up)
+        lora.add_down(out, gate_up, self.act, index)
         return out
 
 

@@ -162,7 +162,8 @@ def test_the_cache_answers_tensorrt_llms_error_for_an_unknown_task_and_evicts_th
         checkpoint: Path, adapters: list[Path]) -> None:
     tensors = convert_peft(adapters[1], max_rank=64, base=None)
     shapes = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=1, max_seq_len=16)).lora_shapes
-    cache = LoraCache(shapes, budget_bytes=int(tensors.nbytes * 2.5), max_rank=64)
+    size = LoraCache(shapes, 1 << 30, 64).resolve(1, tensors.weights, tensors.config).nbytes
+    cache = LoraCache(shapes, budget_bytes=int(size * 2.5), max_rank=64)
     with pytest.raises(RequestError, match="LoRA task 1 not found in cache. Please send LoRA weights with request"):
         cache.resolve(1, None, None)
     for task in (1, 2):
