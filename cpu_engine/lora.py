@@ -173,10 +173,25 @@ class LoraCache:
 
 
 class LoraBatch:
-    """A step's adapters and the packed rows of each (rows of base requests are in none)."""
+    """A step's adapters and the packed rows of each (rows of base requests are in none).
+
+    Every adapter of the step is applied in the same few ops, whatever their number: the adapter rows are gathered
+    group by group (each group padded to the largest), multiplied by each group's A and B in one batched product
+    (`bmm`), and added back with one index_add. The adapters' A and B stacked for the step's set of adapters are
+    kept (_STACKS) for the next steps with the same set: decode steps rarely change it."""
 
     def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor]]):
+        groups = sorted(groups, key=lambda group: group[0].task_id)  # one order per set of adapters
         self.groups = groups
+        self.adapters = tuple(adapter for adapter, _ in groups)
+        self.width = max(len(rows) for _, rows in groups)
+        gather = torch.zeros(len(groups), self.width, dtype=torch.long)  # padding reads (and adds 0 to) row 0
+        mask = torch.zeros(len(groups), self.width, 1)
+        for g, (_, rows) in enumerate(groups):
+            gather[g, :len(rows)] = rows
+            mask[g, :len(rows)] = 1
+        self.gather, self.mask = gather.view(-1), mask
+        self.stacks = _stacks_for(self.adapters)
 
     @classmethod
     def of(cls, row_adapters: list[LoraAdapter | None]) -> "LoraBatch | None":
@@ -192,22 +207,57 @@ class LoraBatch:
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str, norm=None) -> None:
         """out[rows] += B (A norm(x[rows])) for each adapter's rows and its modules in `projection` (norm: the norm
         the projection's input takes first, where `x` is the residual stream)."""
-        for adapter, rows in self.groups:
-            stacked = adapter.stacked[layer].get(projection)
-            if stacked is not None:
-                xr = x.index_select(0, rows)
-                _add_product(out, norm(xr) if norm is not None else xr, rows, stacked)
+        stack = self._stack(layer, projection, out.shape[1])
+        if stack is not None:
+            xr = x.index_select(0, self.gather)
+            self._add(out, norm(xr) if norm is not None else xr, stack)
 
     def add_down(self, out: torch.Tensor, gate_up: torch.Tensor, act, layer: int) -> None:
         """out[rows] += the down projection's adapter of act(gate) x up, computed for the adapters' rows only."""
-        for adapter, rows in self.groups:
-            stacked = adapter.stacked[layer].get("down")
-            if stacked is not None:
-                gate, up = gate_up.index_select(0, rows).chunk(2, dim=-1)
-                _add_product(out, act(gate.contiguous()) * up, rows, stacked)
+        stack = self._stack(layer, "down", out.shape[1])
+        if stack is not None:
+            gate, up = gate_up.index_select(0, self.gather).chunk(2, dim=-1)
+            self._add(out, act(gate.contiguous()) * up, stack)
+
+    def _add(self, out: torch.Tensor, xr: torch.Tensor, stack: tuple[torch.Tensor, torch.Tensor]) -> None:
+        a_t, b_t = stack
+        h = torch.bmm(xr.float().view(len(self.groups), self.width, -1), a_t) * self.mask
+        delta = torch.bmm(h, b_t).view(-1, b_t.shape[2])
+        out.index_add_(0, self.gather, delta.to(out.dtype))
+
+    def _stack(self, layer: int, projection: str, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A^T [adapters, in, rank], B^T [adapters, rank, width]) of every adapter's modules in `projection`,
+        zero where an adapter has none (ranks padded to the largest); None when no adapter has any."""
+        key = (layer, projection)
+        if key not in self.stacks:
+            entries = [adapter.stacked[layer].get(projection) for adapter in self.adapters]
+            present = [entry for entry in entries if entry is not None]
+            if not present:
+                self.stacks[key] = None
+            else:
+                rank, d_in = max(e[0].shape[0] for e in present), present[0][0].shape[1]
+                a_t = torch.zeros(len(entries), d_in, rank)
+                b_t = torch.zeros(len(entries), rank, width)
+                for g, entry in enumerate(entries):
+                    if entry is not None:
+                        a, b, lo, hi = entry
+                        a_t[g, :, :a.shape[0]] = a.t()
+                        b_t[g, :a.shape[0], lo:hi] = b.t()
+                self.stacks[key] = (a_t, b_t)
+        return self.stacks[key]
 
 
-def _add_product(out: torch.Tensor, xr: torch.Tensor, rows: torch.Tensor, stacked) -> None:
-    a, b, lo, hi = stacked
-    delta = (xr.float() @ a.t()) @ b.t()
-    out[:, lo:hi].index_add_(0, rows, delta.to(out.dtype))
+# The adapters' stacked A and B per set of adapters a step ran (LoraBatch), the most recent few kept.
+_STACKS: OrderedDict[tuple[LoraAdapter, ...], dict] = OrderedDict()
+_STACKS_KEPT = 8
+
+
+def _stacks_for(adapters: tuple[LoraAdapter, ...]) -> dict:
+    """The stacks of this set of adapters (filled as steps need them). Engine thread only."""
+    stacks = _STACKS.pop(adapters, None)
+    if stacks is None:
+        stacks = {}
+        while len(_STACKS) >= _STACKS_KEPT:
+            _STACKS.popitem(last=False)
+    _STACKS[adapters] = stacks
+    return stacks
