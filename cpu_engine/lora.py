@@ -176,8 +176,8 @@ class LoraBatch:
     """A step's adapters and the packed rows of each (rows of base requests are in none).
 
     Every adapter of the step is applied in the same few ops, whatever their number: the adapter rows are gathered
-    group by group (each group padded to the largest), multiplied by each group's A and B in one batched product
-    (`bmm`), and added back with one index_add. The adapters' A and B stacked for the step's set of adapters are
+    group by group (each group padded to the largest), multiplied by their own adapter's A and B (two GEMMs and a
+    mask, see _add), and added back with one index_add. The adapters' A and B stacked for the step's set of adapters are
     kept (_STACKS) for the next steps with the same set: decode steps rarely change it."""
 
     def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor]]):
@@ -191,6 +191,7 @@ class LoraBatch:
             gather[g, :len(rows)] = rows
             mask[g, :len(rows)] = 1
         self.gather, self.mask = gather.view(-1), mask
+        self._masks: dict[int, torch.Tensor] = {}
         self.stacks = _stacks_for(self.adapters)
 
     @classmethod
@@ -220,14 +221,26 @@ class LoraBatch:
             self._add(out, act(gate.contiguous()) * up, stack)
 
     def _add(self, out: torch.Tensor, xr: torch.Tensor, stack: tuple[torch.Tensor, torch.Tensor]) -> None:
-        a_t, b_t = stack
-        h = torch.bmm(xr.float().view(len(self.groups), self.width, -1), a_t) * self.mask
-        delta = torch.bmm(h, b_t).view(-1, b_t.shape[2])
-        out.index_add_(0, self.gather, delta.to(out.dtype))
+        # Every gathered row against every adapter's A in one GEMM (rank-wide: cheap), the products of other
+        # adapters' A masked out, then one GEMM with every adapter's B: small batched products (bmm) cost more here.
+        a_cat, b_cat = stack
+        h = (xr.float() @ a_cat) * self._mask(a_cat.shape[1] // len(self.groups))
+        out.index_add_(0, self.gather, (h @ b_cat).to(out.dtype))
+
+    def _mask(self, rank: int) -> torch.Tensor:
+        """[gathered rows, adapters x rank]: 1 where a row's own adapter's columns are, 0 elsewhere and on padding."""
+        mask = self._masks.get(rank)
+        if mask is None:
+            groups = len(self.groups)
+            own = torch.arange(groups).repeat_interleave(self.width)[:, None] == \
+                torch.arange(groups).repeat_interleave(rank)[None, :]
+            mask = self._masks[rank] = own.float() * self.mask.view(-1, 1)
+        return mask
 
     def _stack(self, layer: int, projection: str, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(A^T [adapters, in, rank], B^T [adapters, rank, width]) of every adapter's modules in `projection`,
-        zero where an adapter has none (ranks padded to the largest); None when no adapter has any."""
+        """(every adapter's A^T side by side [in, adapters x rank], their B^T stacked [adapters x rank, width]) of
+        `projection`, zero where an adapter has no module there (ranks padded to the largest); None when no adapter
+        has any."""
         key = (layer, projection)
         if key not in self.stacks:
             entries = [adapter.stacked[layer].get(projection) for adapter in self.adapters]
@@ -236,16 +249,15 @@ class LoraBatch:
                 self.stacks[key] = None
             else:
                 rank, d_in = max(e[0].shape[0] for e in present), present[0][0].shape[1]
-                a_t = torch.zeros(len(entries), d_in, rank)
-                b_t = torch.zeros(len(entries), rank, width)
+                a_cat = torch.zeros(d_in, len(entries) * rank)
+                b_cat = torch.zeros(len(entries) * rank, width)
                 for g, entry in enumerate(entries):
                     if entry is not None:
                         a, b, lo, hi = entry
-                        a_t[g, :, :a.shape[0]] = a.t()
-                        b_t[g, :a.shape[0], lo:hi] = b.t()
-                self.stacks[key] = (a_t, b_t)
+                        a_cat[:, g * rank:g * rank + a.shape[0]] = a.t()
+                        b_cat[g * rank:g * rank + a.shape[0], lo:hi] = b.t()
+                self.stacks[key] = (a_cat, b_cat)
         return self.stacks[key]
-
 
 # The adapters' stacked A and B per set of adapters a step ran (LoraBatch), the most recent few kept.
 _STACKS: OrderedDict[tuple[LoraAdapter, ...], dict] = OrderedDict()
