@@ -204,3 +204,24 @@ def test_bad_adapters_are_refused_at_conversion(checkpoint: Path, adapters: list
     (broken / "adapter_config.json").write_text(json.dumps(dora))
     with pytest.raises(AdapterError, match="use_dora"):
         convert_peft(broken, 64, base)
+
+
+def test_an_adapters_prompt_never_reuses_blocks_cached_by_the_base_or_another_adapter(
+        checkpoint: Path, adapters: list[Path]) -> None:
+    """K/V through an adapter are not the base model's: the prefix cache keys an adapter's blocks apart."""
+    runner = LlamaRunner(EngineConfig(checkpoint_dir=checkpoint, max_batch_size=2, max_seq_len=64, kv_block_size=4))
+    cache = cache_for(runner)
+    first, second = (load(cache, 200 + i, adapters[i], checkpoint) for i in range(2))
+    scheduler = Scheduler(runner, max_num_tokens=64)
+    prompt = [(5 * i + 2) % (VOCAB - 1) + 1 for i in range(13)]
+
+    def hits_of(lora) -> int:
+        before = scheduler.prefix_cache_hits_tokens_total
+        scheduler.add(GenerationRequest("r", prompt, 2, Sink(), SamplingParams(temperature=0.0), lora=lora))
+        while scheduler.has_work:
+            scheduler.step()
+        return scheduler.prefix_cache_hits_tokens_total - before
+
+    assert hits_of(None) == 0
+    assert hits_of(first) == 0 and hits_of(second) == 0  # neither the base's blocks nor each other's
+    assert hits_of(first) == 12 and hits_of(None) == 12  # each reuses its own (3 full blocks)
