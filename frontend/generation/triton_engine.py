@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import struct
 import time
@@ -567,6 +568,8 @@ class TritonEngine:
                     raise
                 self._lora_sent.discard(key)
                 send = True
+                # Another id: the failed call may still be stopped by its id (_end_early), which must not stop this.
+                request = dataclasses.replace(request, request_id=f"{request.request_id}-lora")
 
     async def _lora_inputs(self, model: str, lora: LoraWeights, with_weights: bool) -> list[grpcclient.InferInput]:
         """`lora_task_id`, and `lora_weights`/`lora_config` when `with_weights`, in the dtype the engine model's
