@@ -74,12 +74,14 @@ async def test_weights_are_sent_on_first_use_and_again_after_the_engine_lost_the
     engine = TritonEngine("127.0.0.1:1", "tensorrt_llm")
     cached: set[int] = set()
     sent: list[bool] = []
+    ids: list[str] = []
 
     async def lora_inputs(model, lora, with_weights):
         sent.append(with_weights)
         return [with_weights]
 
     async def generate(request, model=None, version="", extra_inputs=None):
+        ids.append(request.request_id)
         if extra_inputs[0]:
             cached.add(request.lora.task_id)
         elif request.lora.task_id not in cached:
@@ -95,4 +97,5 @@ async def test_weights_are_sent_on_first_use_and_again_after_the_engine_lost_the
     cached.clear()  # evicted
     assert [c.token_ids async for c in engine.generate(request)] == [[1]]
     assert sent == [True, False, False, True]
+    assert ids == ["r", "r", "r", "r-lora"]  # the retry must not be stopped by the failed call's stop-by-id
     await engine.close()
