@@ -13,6 +13,10 @@ WEIGHTS ?=
 NAME ?=
 VERSION ?=
 KEEP_VERSIONS ?=
+# MAX_LORA_RANK=<r> (BACKEND=trtllm): build with the LoRA plugin for adapters up to rank r; LORA_TARGET_MODULES
+# (TensorRT-LLM names, space-separated) narrows the modules (default: q/k/v/o/gate/up/down).
+MAX_LORA_RANK ?=
+LORA_TARGET_MODULES ?=
 # Capacity (README, "Long prompts"): MAX_SEQ_LEN (prompt + output tokens of one sequence), MAX_BATCH_SIZE,
 # KV_CACHE_TOKENS (CPU: the paged KV cache, shared), MAX_NUM_TOKENS (tokens per engine step); ENGINE_ARGS: any other
 # `python -m build_engine` flags, as they are (e.g. ENGINE_ARGS="--dtype bfloat16 --max-input-len 30000").
@@ -23,7 +27,8 @@ MAX_NUM_TOKENS ?=
 ENGINE_ARGS ?=
 ENGINE_FLAGS := --backend $(BACKEND) --output-dir $(BUILD) $(if $(MODEL),--model $(MODEL)) $(if $(PRESET),--preset $(PRESET)) $(if $(WEIGHTS),--weights $(WEIGHTS)) \
 	$(if $(MAX_SEQ_LEN),--max-seq-len $(MAX_SEQ_LEN)) $(if $(MAX_BATCH_SIZE),--max-batch-size $(MAX_BATCH_SIZE)) \
-	$(if $(KV_CACHE_TOKENS),--kv-cache-tokens $(KV_CACHE_TOKENS)) $(if $(MAX_NUM_TOKENS),--max-num-tokens $(MAX_NUM_TOKENS)) $(ENGINE_ARGS)
+	$(if $(KV_CACHE_TOKENS),--kv-cache-tokens $(KV_CACHE_TOKENS)) $(if $(MAX_NUM_TOKENS),--max-num-tokens $(MAX_NUM_TOKENS)) $(if $(MAX_LORA_RANK),--max-lora-rank $(MAX_LORA_RANK)) \
+	$(if $(LORA_TARGET_MODULES),--lora-target-modules $(LORA_TARGET_MODULES)) $(ENGINE_ARGS)
 NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-versions $(KEEP_VERSIONS))
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)

@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool, argpar
                           f"{trtllm.DEFAULT_GPUS_PER_NODE}")
     trt.add_argument("--weight-only", choices=trtllm.WEIGHT_ONLY, help="weight-only quantization")
     trt.add_argument("--kv-cache-dtype", choices=trtllm.KV_CACHE_DTYPES, help="quantized KV cache (Llama/Mistral)")
+    trt.add_argument("--max-lora-rank", type=int, default=0,
+                     help="build with the LoRA plugin for adapters up to this rank (default: 0, no LoRA)")
+    trt.add_argument("--lora-target-modules", nargs="+", default=list(trtllm.LORA_TARGET_MODULES),
+                     help=f"TensorRT-LLM modules adapters may target (default: {' '.join(trtllm.LORA_TARGET_MODULES)})")
     trt.add_argument(
         "--trtllm-examples-dir",
         type=Path,
@@ -137,6 +141,8 @@ def parse_args(argv: list[str] | None) -> tuple[BuildRequest, bool, bool, argpar
         gpus_per_node=args.gpus_per_node,
         weight_only=args.weight_only,
         kv_cache_dtype=args.kv_cache_dtype,
+        max_lora_rank=args.max_lora_rank,
+        lora_target_modules=tuple(args.lora_target_modules),
         trtllm_examples_dir=args.trtllm_examples_dir,
     )
     return request, args.if_missing, args.dry_run, args

@@ -58,6 +58,8 @@ class BuildRequest:
     gpus_per_node: int = trtllm.DEFAULT_GPUS_PER_NODE
     weight_only: str | None = None
     kv_cache_dtype: str | None = None
+    max_lora_rank: int = 0  # LoRA on TensorRT-LLM (trtllm.TrtllmOptions)
+    lora_target_modules: tuple[str, ...] = trtllm.LORA_TARGET_MODULES
     trtllm_examples_dir: Path = trtllm.DEFAULT_EXAMPLES_DIR
 
     @property
@@ -160,6 +162,8 @@ def _trtllm_options(request: BuildRequest) -> trtllm.TrtllmOptions:
         weight_only=request.weight_only,
         kv_cache_dtype=request.kv_cache_dtype,
         max_input_len=request.max_input_len,
+        max_lora_rank=request.max_lora_rank,
+        lora_target_modules=tuple(request.lora_target_modules),
         examples_dir=Path(request.trtllm_examples_dir),
     )
 

@@ -44,6 +44,9 @@ FP8_KV_CACHE_FAMILIES = frozenset({"llama"})
 TRTLLM_DTYPES = ("auto", "float16", "bfloat16")
 WEIGHT_ONLY = ("int8", "int4")
 KV_CACHE_DTYPES = ("fp8",)
+# LoRA (--max-lora-rank): TensorRT-LLM's names of the Llama projections PEFT adapters target (q/k/v/o, gate, down,
+# up; frontend/models/lora.py TRTLLM_MODULES), all by default.
+LORA_TARGET_MODULES = ("attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_4h_to_h", "mlp_gate")
 
 # Defaults sized for a GPU (the shared CPU defaults are smaller); all are overridable on the command line.
 DEFAULT_MAX_BATCH_SIZE = 64
@@ -68,6 +71,8 @@ class TrtllmOptions:
     kv_cache_dtype: str | None = None
     max_input_len: int | None = None
     examples_dir: Path = DEFAULT_EXAMPLES_DIR
+    max_lora_rank: int = 0  # > 0: the engine takes LoRA adapters up to this rank (the LoRA plugin)
+    lora_target_modules: tuple[str, ...] = LORA_TARGET_MODULES
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,13 @@ def plan_build(
         "--workers", str(options.tp_size),
         "--gpus_per_node", str(options.gpus_per_node),
     ]
+    if options.max_lora_rank:
+        unknown = sorted(set(options.lora_target_modules) - set(LORA_TARGET_MODULES))
+        if unknown or not options.lora_target_modules:
+            raise BuildError(f"--lora-target-modules must be among {' '.join(LORA_TARGET_MODULES)}; got "
+                             f"{' '.join(options.lora_target_modules) or 'none'}")
+        build += ["--lora_plugin", dtype, "--max_lora_rank", str(options.max_lora_rank),
+                  "--lora_target_modules", *options.lora_target_modules]
     return TrtllmPlan(family, dtype, max_input_len, trt_checkpoint, engine_dir, [convert, build])
 
 
@@ -277,6 +289,8 @@ def trtllm_engine_config(
         "world_size": options.tp_size * options.pp_size,  # launcher.mpi runs one rank per GPU
         "weight_only": options.weight_only,
         "kv_cache_dtype": options.kv_cache_dtype,
+        "max_lora_rank": options.max_lora_rank or None,
+        "lora_target_modules": list(options.lora_target_modules) if options.max_lora_rank else None,
         "source": dict(source),
         "tensorrt_llm_version": version,
         "commands": [list(command) for command in plan.commands],

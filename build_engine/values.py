@@ -29,6 +29,9 @@ def static_values(template_dir: Path, backend: str) -> dict[str, str]:
     return values
 
 
+DEFAULT_MAX_LORA_RANK = 64
+
+
 def engine_values(engine_config: Mapping[str, Any], engine_dir: Path) -> dict[str, str]:
     """Template values that come from the engine just built."""
     return {
@@ -42,6 +45,8 @@ def engine_values(engine_config: Mapping[str, Any], engine_dir: Path) -> dict[st
         "served_model_name": str(engine_config["served_model_name"]),
         # TensorRT-LLM builds write it (build_engine/xgrammar_info.py); empty for the CPU engine.
         "xgrammar_tokenizer_info_path": str(engine_config.get("xgrammar_tokenizer_info") or ""),
+        # The largest LoRA rank: a TensorRT-LLM engine's --max-lora-rank; the CPU engine takes up to 64.
+        "lora_cache_max_adapter_size": str(engine_config.get("max_lora_rank") or DEFAULT_MAX_LORA_RANK),
     }
 
 

@@ -43,6 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from cpu_engine import float32_gemm, fused_step, paged_attention
 from cpu_engine.config import EngineConfig
 from cpu_engine.int8 import Int8Projection, load_int8_weights
+from cpu_engine.lora import LoraBatch, ModelShapes
 from cpu_engine.paged_attention import paged_decode_attention, shape_of
 from cpu_engine.row_kernels import NO_ROW, RMSNorm, rotate_and_store, silu_of
 
@@ -300,12 +301,23 @@ class FusedLayer:
             return self.o_proj.fused(attention, add_to=hidden)
         return hidden + self.o_proj(attention)
 
-    def add_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The residual stream after the gated MLP: hidden + down(act(gate) x up), [gate | up] of the norm."""
-        if self.fused:
+    def add_mlp(self, hidden: torch.Tensor, lora: LoraBatch | None = None, index: int = 0) -> torch.Tensor:
+        """The residual stream after the gated MLP: hidden + down(act(gate) x up), [gate | up] of the norm; with
+        `lora`, its rows' adapters (of layer `index`) added to gate/up and to down."""
+        if lora is None and self.fused:
             return self.down.fused(self.gate_up.fused(hidden, norm=self.post_norm), gated=True, add_to=hidden)
-        gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down(self.act(gate) * up)
+        gate_up = self.gate_up.fused(hidden, norm=self.post_norm) if self.fused else self.gate_up(self.post_norm(hidden))
+        if lora is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return hidden + self.down(self.act(gate) * up)
+        lora.add(gate_up, hidden, index, "gate_up", self.post_norm)
+        if self.fused:
+            out = self.down.fused(gate_up, gated=True, add_to=hidden)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = hidden + self.down(self.act(gate) * up)
+        lora.add_down(out, gate_up, self.act, index)
+        return out
 
 
 class LlamaRunner:
@@ -342,6 +354,9 @@ class LlamaRunner:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.max_seq_len = config.max_seq_len
+        # What a LoRA adapter must fit (cpu_engine.lora).
+        self.lora_shapes = ModelShapes.of(int(hf_config.hidden_size), int(hf_config.intermediate_size), self.q_size,
+                                          self.kv_size, len(self.layers))
         self._rotary_tables = self._rotary_tables_for_every_position()
         self.max_batch_size = config.max_batch_size
         self.block_size = config.kv_block_size
@@ -522,11 +537,12 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
-                chunks: list[Chunk], logits_rows: list[int]) -> torch.Tensor:
+                chunks: list[Chunk], logits_rows: list[int], lora: LoraBatch | None = None) -> torch.Tensor:
         """Run one step and return float32 logits for the packed rows in `logits_rows`.
 
         The packed batch is the decode tokens (one per entry of `decode_blocks`, the sequence's block table,
-        at `decode_positions`) followed by each chunk's tokens in order.
+        at `decode_positions`) followed by each chunk's tokens in order. `lora`: the packed rows that run through
+        a LoRA adapter (such a step takes the layer loop, not the one-call decode step).
         """
         if chunks and self.in_place_decode:
             decode_blocks, decode_positions, chunks = self._chunks_as_decode_rows(decode_blocks, decode_positions,
@@ -534,7 +550,7 @@ class LlamaRunner:
         num_decode = len(decode_blocks)
         reads = (sum(decode_positions) + num_decode) * self.kv_bytes_per_position  # a layer's decode attention's K/V
         wide = self.wide_attention_threads if self.in_place_decode and reads >= WIDE_ATTENTION_MIN_KV_BYTES else 0
-        if self.one_call_decode is not None and num_decode and not chunks and logits_rows:
+        if self.one_call_decode is not None and num_decode and not chunks and logits_rows and lora is None:
             return self._step_in_one_call(token_ids, decode_blocks, decode_positions, logits_rows, wide)
         block_size = self.block_size
         positions = list(decode_positions)
@@ -576,6 +592,8 @@ class LlamaRunner:
         qk_size = self.q_size + self.kv_size
         for layer_idx, layer in enumerate(self.layers):
             qkv = layer.qkv_of(hidden)
+            if lora is not None:
+                lora.add(qkv, hidden, layer_idx, "qkv", layer.input_norm)
             qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
             if layer.q_norm is not None:
@@ -618,7 +636,12 @@ class LlamaRunner:
                 outputs.append(out[0].transpose(0, 1).reshape(chunk.length, -1))
                 offset += chunk.length
             attn_out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
-            hidden = layer.add_mlp(layer.add_attention(hidden, attn_out))
+            if lora is None:
+                hidden = layer.add_mlp(layer.add_attention(hidden, attn_out))
+            else:
+                hidden = layer.add_attention(hidden, attn_out)
+                lora.add(hidden, attn_out, layer_idx, "o_proj")
+                hidden = layer.add_mlp(hidden, lora, layer_idx)
 
         if not logits_rows:  # a step of prompt chunks that all end mid-prompt
             return torch.empty(0, self.vocab_size)

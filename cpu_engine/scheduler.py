@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from cpu_engine.kv_blocks import BlockKey, BlockPool, block_key, block_keys
+from cpu_engine.lora import LoraAdapter, LoraBatch
 from cpu_engine.runner import Chunk
 from cpu_engine.sampling import SampledToken, SamplingParams, SamplingRow, sample
 from cpu_engine.types import GuideStatus, RequestError
@@ -98,6 +99,7 @@ class GenerationRequest:
     end_id: int | None = None
     stop_words: list[list[int]] = field(default_factory=list)
     guide: CompiledGuide | None = None  # guided decoding (cpu_engine.guided), compiled before submission
+    lora: LoraAdapter | None = None  # its LoRA adapter (cpu_engine.lora); None: the base model
 
 
 @dataclass(eq=False)  # compared by identity: the batch's lists find and remove exactly this one
@@ -140,6 +142,8 @@ class EngineStats:
     prompt_tokens_total: int
     generated_tokens_total: int
     cancelled_requests_total: int  # ended cancelled, waiting or running, whatever the cause
+    running_lora_adapters: tuple[int, ...] = ()  # LoRA task ids of running requests (vllm:lora_requests_info)
+    waiting_lora_adapters: tuple[int, ...] = ()
 
     @property
     def requests_running(self) -> int:
@@ -324,11 +328,13 @@ class Scheduler:
         return statistics.median(times[1:])
 
     def _timed_forward(self, token_ids: list[int], decode_blocks: list[list[int]], decode_positions: list[int],
-                       chunks: list[Chunk], logits_rows: list[int] | None = None, learn: bool = True) -> torch.Tensor:
+                       chunks: list[Chunk], logits_rows: list[int] | None = None, learn: bool = True,
+                       lora: LoraBatch | None = None) -> torch.Tensor:
         """One forward pass; its time teaches the prefill budget what steps cost (unless not `learn`)."""
         rows = list(range(len(decode_blocks))) if logits_rows is None else logits_rows
         started = self._clock()
-        logits = self.runner.forward(token_ids, decode_blocks, decode_positions, chunks, rows)
+        extra = {"lora": lora} if lora is not None else {}  # runners without adapters (test doubles) take none
+        logits = self.runner.forward(token_ids, decode_blocks, decode_positions, chunks, rows, **extra)
         if learn:
             self.prefill_budget.observe(self._clock() - started, len(decode_blocks),
                                         sum(chunk.length for chunk in chunks))
@@ -432,6 +438,8 @@ class Scheduler:
             prompt_tokens_total=self.prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
             cancelled_requests_total=self.cancelled_requests_total,
+            running_lora_adapters=_task_ids(s.request for s in self.running),
+            waiting_lora_adapters=_task_ids([s.request for s in self.preempted] + list(self.waiting)),
         )
 
     @property
@@ -465,7 +473,8 @@ class Scheduler:
         per running sequence for its next decode step."""
         tokens = seq.tokens
         block_size = self.blocks.block_size
-        keys = block_keys(tokens[:len(tokens) - 1], block_size) if self.blocks.enable_reuse else []
+        root = seq.request.lora.key if seq.request.lora is not None else None  # K/V through an adapter differ
+        keys = block_keys(tokens[:len(tokens) - 1], block_size, root) if self.blocks.enable_reuse else []
         cached = self.blocks.match_prefix(keys)
         needed = -(-len(tokens) // block_size) - len(cached)
         if needed + len(self.running) > self.blocks.num_free:
@@ -508,7 +517,7 @@ class Scheduler:
             return
         tokens = seq.tokens
         for index in range(len(seq.keys), full):
-            parent = seq.keys[-1] if seq.keys else None
+            parent = seq.keys[-1] if seq.keys else (seq.request.lora.key if seq.request.lora is not None else None)
             seq.keys.append(block_key(parent, tokens[index * block_size:(index + 1) * block_size]))
             self.blocks.register(seq.blocks[index], seq.keys[-1])
 
@@ -613,8 +622,12 @@ class Scheduler:
                 sampled.append(seq)
                 logits_rows.append(row - 1)
 
+        lora = None
+        if any(seq.request.lora is not None for seq in self.running):
+            lora = LoraBatch.of([s.request.lora for s in decode]
+                                + [s.request.lora for s, c in zip(chunk_seqs, chunks) for _ in range(c.length)])
         try:
-            logits = self._timed_forward(token_ids, decode_blocks, decode_positions, chunks, logits_rows)
+            logits = self._timed_forward(token_ids, decode_blocks, decode_positions, chunks, logits_rows, lora=lora)
             for seq in decode:
                 seq.num_cached += 1
             for seq, chunk in zip(chunk_seqs, chunks):
@@ -702,6 +715,11 @@ class Scheduler:
             except Exception as exc:
                 outcome.update((i, f"guided decoding failed: {type(exc).__name__}: {exc}") for i in positions)
         return outcome
+
+
+def _task_ids(requests) -> tuple[int, ...]:
+    """The distinct LoRA task ids of `requests`, in order."""
+    return tuple(dict.fromkeys(r.lora.task_id for r in requests if r.lora is not None))
 
 
 def send_error_safely(request: GenerationRequest, message: str) -> None:

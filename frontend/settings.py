@@ -186,6 +186,18 @@ class Settings(BaseSettings):
         None, description="file of reasoning keys, one per line (# comments), the first sealing; neither set: a "
                           "key made once next to a SQLite responses_db_url (responses-reasoning.key), else per "
                           "process")
+    # LoRA adapters (frontend/models/adapters.py): listed in /v1/models, selected by `model`
+    lora_modules: str = Field("", description="LORA_MODULES: adapters served from the start, as vLLM's "
+                              "--lora-modules: name=path,name=path or a JSON list of {name, path, base_model_name}")
+    lora_max_rank: int = Field(64, ge=1, description="largest LoRA rank accepted (the engine's max_lora_rank / "
+                               "lora_cache_max_adapter_size must be at least this)")
+    lora_runtime_updates: bool = Field(False, description="allow POST /v1/load_lora_adapter and "
+                                       "/v1/unload_lora_adapter (admin keys only), as vLLM's "
+                                       "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    lora_state_file: Path | None = Field(None, description="where adapters loaded while serving are recorded, "
+                                         "for every frontend worker (default: in memory, one worker only)")
+    max_loras: int = Field(8, ge=1, description="the max_lora label of vllm:lora_requests_info: adapters an "
+                           "engine batch runs at once (LoRA-affinity routing reads it)")
     # TLS
     ssl_certfile: Path | None = Field(None, description="PEM certificate: serve HTTPS (with ssl_keyfile)")
     ssl_keyfile: Path | None = Field(None, description="PEM private key of ssl_certfile")
@@ -235,6 +247,13 @@ class Settings(BaseSettings):
         except ssl.SSLError:
             raise ValueError("ssl_ciphers: OpenSSL selects no TLS 1.2 cipher from this string") from None
         return value
+
+    @model_validator(mode="after")
+    def _lora_state_shared(self) -> "Settings":
+        """Adapters loaded while serving must reach every worker: several workers share a state file."""
+        if self.lora_runtime_updates and self.lora_state_file is None and self.frontend_workers > 1:
+            self.lora_state_file = Path(tempfile.gettempdir()) / "tritonllm" / "lora_adapters.json"  # as the store
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "Settings":

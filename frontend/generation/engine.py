@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, NamedTuple, Protocol
+from typing import Any, AsyncIterator, NamedTuple, Protocol
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,18 @@ class SamplingOptions:
     guide: Guide | None = None  # the output must follow it (response_format, tool_choice, guided_*)
 
 
+@dataclass(frozen=True, eq=False)
+class LoraWeights:
+    """A LoRA adapter as both engines take it (TensorRT-LLM's tensors, frontend/models/lora.py converts it):
+    `task_id` names it in the engine's LoRA cache; `weights` [rows, width] float32 and `config` [rows, 3] int32
+    are sent only when that cache may not hold it."""
+
+    name: str
+    task_id: int
+    weights: Any
+    config: Any
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """One engine request (one choice). `request_id` is made by the server, unique per choice: it is
@@ -54,6 +66,7 @@ class EngineRequest:
     prompt_ids: list[int]
     options: SamplingOptions
     buffer: "BufferBudget | None" = None  # shared by the engine requests of one HTTP request
+    lora: LoraWeights | None = None  # through this adapter; None: the base model
 
 
 class BufferBudget:

@@ -11,6 +11,8 @@ only when the engine does not end the request within STOP_GRACE_S (see `TritonEn
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import struct
 import time
@@ -25,7 +27,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from frontend.generation.engine import (BufferBudget, EngineMetadata, EngineRequest, SamplingOptions,
+from frontend.generation.engine import (BufferBudget, EngineMetadata, EngineRequest, LoraWeights, SamplingOptions,
                                        TokenChunk)
 from frontend.openai.errors import OpenAIError, engine_error, invalid_request, service_unavailable, too_many_requests
 
@@ -61,6 +63,8 @@ ENGINE_CLIENT_ERRORS = (
     "exceeds maximum input length",
     "invalid guided_decoding_guide",  # the CPU engine's grammar compiler refused the guide
     "guided decoding is off",
+    "lora_config:",  # the CPU engine refused an adapter's tensors (cpu_engine/lora.py)
+    "lora_weights:",
 )
 # gRPC / Triton statuses that say the request itself was wrong (Triton: TRITONSERVER_ERROR_INVALID_ARG).
 CLIENT_ERROR_STATUSES = ("INVALID_ARGUMENT", "INVALID_ARG")
@@ -129,6 +133,12 @@ def _about_the_guide(error: OpenAIError, options: SamplingOptions) -> OpenAIErro
     if options.guide is not None and error.status == 400 and "guided" in error.message:
         error.param = options.guide.param
     return error
+
+
+def lora_cache_miss(message: str) -> bool:
+    """Whether an engine error says its LoRA cache does not hold the task (TensorRT-LLM's words, which the CPU
+    engine uses too: cpu_engine/lora.py not_in_cache): the weights are sent again."""
+    return "not found in cache" in message and "LoRA task" in message
 
 
 def _tensor(name: str, value: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -482,6 +492,8 @@ class TritonEngine:
         self.engine_model = engine_model
         self.preprocessing_model = preprocessing_model
         self._timeout = metadata_timeout_s
+        self._lora_sent: set[tuple[str, int]] = set()  # (engine model, task id) whose weights it has taken
+        self._lora_types: dict[str, str] = {}  # engine model -> its lora_weights datatype
         # Reconnect quickly after Triton restarts, instead of gRPC's default backoff of up to minutes.
         self._client = grpcclient.InferenceServerClient(url=url, channel_args=[
             ("grpc.initial_reconnect_backoff_ms", 200),
@@ -653,6 +665,62 @@ class TritonEngine:
 
     async def generate(self, request: EngineRequest, model: str | None = None,
                        version: str = "") -> AsyncIterator[TokenChunk]:
+        """As `_generate`; a request through a LoRA adapter names it by `lora_task_id`, and carries its weights
+        only where this engine model may not hold them yet: on first use, and once more when the engine says its
+        LoRA cache no longer has the task (TensorRT-LLM evicts; "LoRA task ... not found in cache")."""
+        lora = request.lora
+        if lora is None:
+            async with contextlib.aclosing(self._generate(request, model, version)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+        key = (model or self.engine_model, lora.task_id)
+        send = key not in self._lora_sent
+        while True:
+            inputs = await self._lora_inputs(key[0], lora, send)
+            started = False
+            try:
+                async with contextlib.aclosing(self._generate(request, model, version, inputs)) as chunks:
+                    async for chunk in chunks:
+                        if send and not started:
+                            self._lora_sent.add(key)  # accepted: the engine's cache holds it now
+                        started = True
+                        yield chunk
+                return
+            except OpenAIError as exc:
+                if started or send or not lora_cache_miss(exc.message):
+                    raise
+                self._lora_sent.discard(key)
+                send = True
+                # Another id: the failed call may still be stopped by its id (_end_early), which must not stop this.
+                request = dataclasses.replace(request, request_id=f"{request.request_id}-lora")
+
+    async def _lora_inputs(self, model: str, lora: LoraWeights, with_weights: bool) -> list[grpcclient.InferInput]:
+        """`lora_task_id`, and `lora_weights`/`lora_config` when `with_weights`, in the dtype the engine model's
+        config declares for lora_weights (the engine's: float32 on the CPU engine, float16 on TensorRT-LLM)."""
+        inputs = [_tensor("lora_task_id", np.array([[lora.task_id]], dtype=np.uint64), "UINT64")]
+        if not with_weights:
+            return inputs
+        if model not in self._lora_types:
+            try:
+                config = await self._client.get_model_config(model, as_json=True, client_timeout=self._timeout)
+            except InferenceServerException as exc:
+                raise service_unavailable(f"the inference server has no model {model!r} ready") from exc
+            declared = {i.get("name"): i.get("data_type", "") for i in config.get("config", {}).get("input", [])}
+            if "lora_weights" not in declared:
+                raise invalid_request(f"the engine model {model!r} takes no LoRA adapters (no lora_weights input)",
+                                      "model")
+            self._lora_types[model] = declared["lora_weights"].removeprefix("TYPE_")
+        datatype = self._lora_types[model]
+        dtype = {"FP32": np.float32, "FP16": np.float16}.get(datatype)
+        if dtype is None:
+            raise invalid_request(f"the engine model {model!r} takes lora_weights as {datatype}; the frontend "
+                                  "sends FP32 or FP16", "model")
+        return inputs + [_tensor("lora_weights", lora.weights[None].astype(dtype), datatype),
+                         _tensor("lora_config", lora.config[None].astype(np.int32), "INT32")]
+
+    async def _generate(self, request: EngineRequest, model: str | None = None, version: str = "",
+                        extra_inputs: list[grpcclient.InferInput] | None = None) -> AsyncIterator[TokenChunk]:
         """`model` and `version` pick a named model's version (frontend/models.py); by default the engine
         model at the version Triton picks.
 
@@ -666,7 +734,7 @@ class TritonEngine:
         triton_request = {
             "model_name": model or self.engine_model,
             "model_version": version,
-            "inputs": build_inputs(request.prompt_ids, options),
+            "inputs": build_inputs(request.prompt_ids, options) + (extra_inputs or []),
             "outputs": [grpcclient.InferRequestedOutput(name) for name in requested_outputs(options)],
             "request_id": request.request_id,
         }

@@ -47,3 +47,40 @@ async def rollout(model_id: str, request: Request, body: RolloutRequest | None =
 @router.post("/models/{model_id}/rollback")
 async def rollback(model_id: str, request: Request) -> dict[str, Any]:
     return await request.app.state.rollouts.rollback(model_id)
+
+
+# ----- LoRA adapters loaded and unloaded while serving (vLLM's paths; frontend/models/adapters.py) -----------------
+LORA_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def lora_updates_enabled(request: Request) -> None:
+    """Off unless LORA_RUNTIME_UPDATES, then admin keys only (the middleware leaves these paths to admin_key)."""
+    if not request.app.state.settings.lora_runtime_updates:
+        raise OpenAIError(403, "Loading LoRA adapters while serving is disabled on this server: set "
+                               "LORA_RUNTIME_UPDATES to enable it.", "permission_error", None, "lora_updates_disabled")
+    admin_key(request)
+
+
+lora_router = APIRouter(dependencies=[Depends(lora_updates_enabled)])
+
+
+class LoadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    base_model_name: str | None = Field(None, max_length=256)
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraRequest, request: Request) -> dict[str, Any]:
+    return await request.app.state.models.load_adapter(body.lora_name, body.lora_path, body.base_model_name)
+
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraRequest, request: Request) -> dict[str, Any]:
+    return await request.app.state.models.unload_adapter(body.lora_name)

@@ -54,6 +54,9 @@ def create_app(settings: Settings, coordinator: str | None = None) -> FastAPI:
                               stream_queue=settings.engine_stream_queue)
         app.state.settings = settings
         app.state.models = ModelRegistry(settings, engine)
+        if settings.lora_modules or settings.lora_runtime_updates:  # vllm:lora_requests_info on /metrics
+            adapters = app.state.models.adapters
+            edge.metrics.live.lora = lambda: (settings.max_loras, *adapters.requests_info())
         if link is not None:  # from here on, other workers' rollouts reach this registry
             await link.connect(FleetMember(app.state.models).run)
         app.state.rollouts = Rollouts(app.state.models, engine, settings.rollout_grace_s,
@@ -91,6 +94,7 @@ def create_app(settings: Settings, coordinator: str | None = None) -> FastAPI:
     app.include_router(router)
     app.include_router(responses_routes.router)
     app.include_router(admin.router)
+    app.include_router(admin.lora_router)
     if settings.console:  # the browser console (frontend/http/console.py): GET /, its files, its charts' data
         app.state.console = ConsoleSummary()
         app.include_router(console.router)

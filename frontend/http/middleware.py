@@ -30,7 +30,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.observability import access_log
-from frontend.http.admin import ADMIN_PREFIX
+from frontend.http.admin import ADMIN_PREFIX, LORA_ADMIN_PATHS
 from frontend.policy.admission import AdmissionGate, Limits, LocalLimits, RateLimiter, TokenDemand
 from frontend.policy.auth import ANONYMOUS, KeyStore, bearer_token
 from frontend.policy.deadlines import Deadline, Deadlines
@@ -259,7 +259,7 @@ class EdgeMiddleware:
                 "the server is shutting down; not accepting new requests"))
         # /admin checks admin keys itself (frontend/http/admin.py): an API key must not open it, nor an admin
         # key the API.
-        is_admin = path.startswith(ADMIN_PREFIX + "/")
+        is_admin = path.startswith(ADMIN_PREFIX + "/") or path in LORA_ADMIN_PATHS
         if edge.keys.enabled and not is_admin and not is_page and (not is_metrics or settings.metrics_require_key):
             identity = edge.keys.identify(bearer_token(headers.get("authorization")))
             if identity is None:

@@ -54,6 +54,8 @@ async def model_context(request: Request, model: str | None = None) -> ModelCont
 
 def model_card(request: Request, context: ModelContext) -> ModelCard:
     card = ModelCard(id=context.served_model_name, created=now(), max_model_len=context.context_length)
+    if context.parent is not None:  # a LoRA adapter: vLLM's card (its base as parent, its directory as root)
+        return card.model_copy(update={"parent": context.parent, "root": context.root})
     return card.model_copy(update=request.app.state.models.versions(context))
 
 
@@ -73,7 +75,9 @@ async def ready(request: Request) -> dict[str, str]:
 
 @router.get("/v1/models", response_model_exclude_none=True)
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[model_card(request, context) for context in await request.app.state.models.all()])
+    models = request.app.state.models
+    contexts = await models.all() + await models.adapter_contexts()
+    return ModelList(data=[model_card(request, context) for context in contexts])
 
 
 @router.get("/v1/models/{model_id:path}", response_model_exclude_none=True)

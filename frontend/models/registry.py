@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from frontend.settings import Settings
 from frontend.text.tokenizer import Tokenizer
 from frontend.parsing.tool_parsers import parser_for_template
 from frontend.generation.triton_engine import STOP_GRACE_S, TritonEngine
+from frontend.models.adapters import AdapterSet, AdapterSpec, parse_lora_modules
+from frontend.models.lora import AdapterError, BaseShapes
 
 log = logging.getLogger("frontend")
 
@@ -133,6 +136,8 @@ class ModelContext:
     engine: VersionEngine | None = None  # where its requests go (None only in unit tests)
     version: str = ""  # the engine model version serving it ("": the single engine model's)
     log_probs: str = "model"  # what the engine's log-probs are (EngineMetadata.log_probs)
+    parent: str | None = None  # a LoRA adapter's base model (frontend/models/adapters.py); None: a model
+    root: str | None = None  # a LoRA adapter's directory
 
 
 class ModelRegistry:
@@ -154,6 +159,9 @@ class ModelRegistry:
         # Models whose versions a rollout of this worker is switching (frontend/models/rollout.py: "one rollout per
         # model"); refresh() leaves their contexts to it.
         self.rolling: set[str] = set()
+        # LoRA adapters (frontend/models/adapters.py): listed and selected like models.
+        self.adapters = AdapterSet(parse_lora_modules(settings.lora_modules), settings.lora_max_rank,
+                                   settings.lora_state_file)
 
     @property
     def named(self) -> bool:
@@ -186,6 +194,9 @@ class ModelRegistry:
 
     async def get(self, model: str | None = None) -> ModelContext:
         """The context of `model` (None: the default one). 404 for a model this server does not serve."""
+        spec = self.adapters.spec(model) if model is not None else None
+        if spec is not None:
+            return await self.adapter_context(spec)
         key = model if self.named else None
         if self.named and (self._served is None or (key is not None and key not in self._served
                                                     and not self._index_is_fresh())):
@@ -238,6 +249,61 @@ class ModelRegistry:
             raise
         self._failed_loads.pop(key, None)
         return context
+
+    async def adapter_context(self, spec: AdapterSpec) -> ModelContext:
+        """An adapter's context: its base model's, named after the adapter, with an engine that sends the adapter
+        with each request. A base the server does not serve is a 404; an adapter that cannot serve it a 400."""
+        base = await self.get(spec.base)
+        try:
+            adapter = self.adapters.converted(spec) or await asyncio.to_thread(
+                lambda: self.adapters.adapter(spec, base_shapes(base)))  # read and converted once, off the loop
+        except AdapterError as exc:
+            raise OpenAIError(400, f"The LoRA adapter '{spec.name}' cannot be served: {exc}",
+                              "invalid_request_error", "model", "invalid_lora_adapter") from exc
+        engine = self.adapters.engine(base.engine, adapter) if base.engine is not None else None
+        return dataclasses.replace(base, served_model_name=spec.name, engine=engine,
+                                   parent=base.served_model_name, root=str(spec.path))
+
+    async def load_adapter(self, name: str, path: str, base: str | None) -> dict[str, Any]:
+        """POST /v1/load_lora_adapter: convert and check the adapter against its base (a 400 that changes
+        nothing when it cannot serve), then record it for every worker."""
+        if self.adapters.spec(name) is not None:
+            raise OpenAIError(400, f"The LoRA adapter '{name}' is already loaded; unload it first.",
+                              "invalid_request_error", "lora_name", "lora_adapter_exists")
+        if name in self.served_ids() or any(c.served_model_name == name for c in self._contexts.values()):
+            raise OpenAIError(400, f"'{name}' is a model's name.", "invalid_request_error", "lora_name",
+                              "lora_adapter_exists")
+        spec = AdapterSpec(name, Path(path), base)
+        self.adapters.forget(spec)  # a directory loaded before may have changed: convert it again
+        context = await self.adapter_context(spec)  # 404 (base) or 400 (adapter) before anything changes
+        try:
+            await asyncio.to_thread(self.adapters.add, spec)
+        except AdapterError as exc:
+            raise OpenAIError(400, str(exc), "invalid_request_error", "lora_name", "invalid_lora_adapter") from exc
+        log.info("LoRA adapter %s loaded from %s (base %s)", name, path, context.parent)
+        return {"status": "ok", "lora_name": name, "parent": context.parent}
+
+    async def unload_adapter(self, name: str) -> dict[str, Any]:
+        """POST /v1/unload_lora_adapter: new requests get 404; those in flight hold its engine and finish."""
+        try:
+            removed = await asyncio.to_thread(self.adapters.remove, name)
+        except AdapterError as exc:
+            raise OpenAIError(400, str(exc), "invalid_request_error", "lora_name", "invalid_lora_adapter") from exc
+        if not removed:
+            raise OpenAIError(404, f"The LoRA adapter '{name}' is not loaded.", "invalid_request_error",
+                              "lora_name", "lora_adapter_not_found")
+        log.info("LoRA adapter %s unloaded", name)
+        return {"status": "ok", "lora_name": name}
+
+    async def adapter_contexts(self) -> list[ModelContext]:
+        """Every adapter that can be served (one that cannot is logged and left out of listings)."""
+        contexts = []
+        for spec in self.adapters.specs().values():
+            try:
+                contexts.append(await self.adapter_context(spec))
+            except OpenAIError as exc:
+                log.warning("LoRA adapter %s is not listed: %s", spec.name, exc.message)
+        return contexts
 
     @contextlib.asynccontextmanager
     async def held(self, name: str) -> AsyncIterator[None]:
@@ -431,3 +497,15 @@ class ModelRegistry:
             if index.get(name, {}).get(context.version) != READY:
                 return False
         return True
+
+
+def base_shapes(context: ModelContext) -> BaseShapes | None:
+    """What a LoRA adapter of this model must fit, from its checkpoint's config.json (None: not readable here,
+    and the engine checks alone)."""
+    directory = getattr(context.tokenizer, "directory", None)
+    if directory is None or not (Path(directory) / "config.json").is_file():
+        return None
+    try:
+        return BaseShapes.from_checkpoint(Path(directory))
+    except (KeyError, ValueError, OSError):
+        return None

@@ -75,8 +75,19 @@ class LiveGauges(Collector):
         self.in_flight = 0
         self.queued = 0
         self.engine_waiting = 0.0
+        # () -> (max_lora, running adapters, waiting adapters), set by the app when it serves LoRA adapters.
+        self.lora: Callable[[], tuple[int, list[str], list[str]]] | None = None
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        if self.lora is not None:
+            # vLLM's LoRA-affinity gauge, as the Gateway API Inference Extension's model-server protocol reads it:
+            # the adapters in the labels, the time of the observation as the value.
+            max_lora, running, waiting = self.lora()
+            info = GaugeMetricFamily("vllm:lora_requests_info", "running and waiting LoRA adapters (this "
+                                     "frontend process's requests)",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(max_lora), ",".join(running), ",".join(waiting)], time.time())
+            yield info
         yield GaugeMetricFamily(f"{PREFIX}_requests_in_flight", "generation requests holding a slot",
                                 value=self.in_flight)
         yield GaugeMetricFamily(f"{PREFIX}_requests_queued", "generation requests waiting for a slot",

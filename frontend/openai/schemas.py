@@ -587,6 +587,9 @@ class ModelCard(BaseModel):
     live_version: int | None = None
     previous_version: int | None = None
     versions: list[ModelVersion] | None = None
+    # vLLM's: a LoRA adapter's base model (`parent`) and its directory (`root`); a model's root is its own id.
+    root: str | None = None
+    parent: str | None = None
 
 
 class TokenizeRequest(ClientRequest):

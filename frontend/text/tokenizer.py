@@ -31,6 +31,7 @@ def end_token_ids(eos_token_id: int | None, checkpoint_dir: Path, vocab_size: in
 class Tokenizer:
     def __init__(self, tokenizer_dir: Path, chat_template: Path | None = None):
         self._tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.directory = Path(tokenizer_dir)  # the checkpoint's, as a rule: LoRA adapters are checked against it
         if chat_template is not None:
             self._tok.chat_template = Path(chat_template).read_text()
         self.eos_token_id: int | None = self._tok.eos_token_id

@@ -49,6 +49,7 @@ KNOB_MODELS: dict[str, dict[str, float]] = {
 # the knob models, so that a stream outlives its client's departure on any machine.
 CONTRACT_MODEL = "tensorrt_llm_contract"
 CONTRACT_STEP_DELAY_S = 0.02
+CONTRACT_LORA_CACHE_TASKS = 2  # the double's PEFT cache holds two LoRA tasks: a third evicts (tests/integration/test_lora.py)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,7 +150,8 @@ def stack(built_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     for name, knobs in KNOB_MODELS.items():
         add_knob_model(repository, name, **knobs)
     set_parameter(repository / SLOW_MODEL, "cpu_max_queue_size", str(SLOW_MODEL_QUEUE))
-    add_contract_double(repository, CONTRACT_MODEL, built_engine / "engine", test_step_delay_s=CONTRACT_STEP_DELAY_S)
+    add_contract_double(repository, CONTRACT_MODEL, built_engine / "engine", test_step_delay_s=CONTRACT_STEP_DELAY_S,
+                        test_lora_cache_tasks=CONTRACT_LORA_CACHE_TASKS)
     scripted = add_scripted_model(repository, repository.parent / "scripted")
     http, grpc, metrics, frontend_port = (find_free_port() for _ in range(4))
     triton = TritonServer(repository, http_port=http, grpc_port=grpc,

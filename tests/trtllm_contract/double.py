@@ -63,7 +63,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRODUCTION_MODEL = REPO_ROOT / "model_repository" / "tensorrt_llm" / "1" / "model.py"
 ENGINE_MODEL = "tensorrt_llm"
-KNOB_TYPES: dict[str, type] = {"test_step_delay_s": float}
+# test_lora_cache_tasks: how many LoRA tasks the emulated PEFT cache holds (rules.PeftCache; 0: unbounded).
+KNOB_TYPES: dict[str, type] = {"test_step_delay_s": float, "test_lora_cache_tasks": int}
 _BACKEND_LINE = re.compile(r'^backend:\s*"tensorrtllm"\s*$', re.MULTILINE)
 _NAME_LINE = re.compile(r'^name:\s*"[^"]*"\s*$', re.MULTILINE)
 
@@ -338,6 +339,10 @@ def _build_model_class() -> type:
                 pb_utils.Logger.log_warn(f"{args['model_name']}: {warning}")
             parameters = config.get("parameters", {})
             self.step_delay_s = float(parameters.get("test_step_delay_s", {}).get("string_value") or 0.0)
+            # rules.PeftCache: which LoRA tasks upstream's cache would hold (the CPU engine's own cache forgets the
+            # ones it evicts, so a task upstream no longer holds is not served from it either).
+            tasks = int(parameters.get("test_lora_cache_tasks", {}).get("string_value") or 0)
+            self.peft_cache = rules.PeftCache(tasks or 1 << 30)
             self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
             self._lock = threading.Lock()  # _latest: execute() and the engine thread
             self._latest: dict[str, ContractSink] = {}  # Triton request id -> its latest request (upstream's map)
@@ -372,6 +377,21 @@ def _build_model_class() -> type:
             self.guide_failures = self._guide_failures_family.Metric(
                 labels={"model": args["model_name"], "version": args["model_version"]})
             production.never_destroyed(self._guide_failures_family, self.guide_failures)
+
+        def _lora(self, request):
+            """rules.PeftCache: a task upstream's cache does not hold needs its weights (upstream's error
+            otherwise); making room evicts the least recently used task no request is using."""
+            task_id = production._scalar(request, "lora_task_id")
+            if task_id is not None:
+                has_weights = pb_utils.get_input_tensor_by_name(request, "lora_weights") is not None
+                with self._lock:
+                    error, evicted = self.peft_cache.admit(int(task_id), has_weights)
+                for task in evicted:
+                    if self.lora_cache is not None:
+                        self.lora_cache.drop(task)
+                if error is not None:
+                    raise RequestError(error)
+            return super()._lora(request)
 
         def _make_sink(self, sender, streaming, prompt, exclude_input, top_logprobs, outputs):
             if self._pending is None:
@@ -452,6 +472,9 @@ def _build_model_class() -> type:
             with self._lock:  # rules.GUIDE_FAILS_THE_BATCH fails these
                 if not sink.done:
                     self._active.add(sink)
+                    if request.lora is not None:  # rules.PeftCache: in use until the request ends (_forget)
+                        self.peft_cache.use(request.lora.task_id)
+                        sink.lora_task = request.lora.task_id
             if sink.triton_id:  # model_instance_state.cc enqueue(): the latest request with an id wins
                 with self._lock:
                     if not sink.done:
@@ -459,6 +482,9 @@ def _build_model_class() -> type:
 
         def _forget(self, sink) -> None:
             with self._lock:
+                if getattr(sink, "lora_task", None) is not None:
+                    self.peft_cache.release(sink.lora_task)
+                    sink.lora_task = None
                 self._active.discard(sink)
                 if self._latest.get(sink.triton_id) is sink:
                     del self._latest[sink.triton_id]

@@ -445,6 +445,10 @@ UPSTREAM_INPUTS: dict[str, TensorSpec] = {
     "streaming": TensorSpec("TYPE_BOOL", (1,), True),
     "guided_decoding_guide_type": TensorSpec("TYPE_STRING", (1,)),
     "guided_decoding_guide": TensorSpec("TYPE_STRING", (1,)),
+    # LoRA (config.pbtxt): the weights in the engine's dtype, declared FP16 upstream (edited for bfloat16 engines).
+    "lora_task_id": TensorSpec("TYPE_UINT64", (1,), True),
+    "lora_weights": TensorSpec("TYPE_FP16", (-1, -1)),
+    "lora_config": TensorSpec("TYPE_INT32", (-1, 3)),
 }
 # Read with getRequestBooleanInputTensor() (model_instance_state.cc / utils.cc): the first byte of the buffer,
 # whatever the shape, so a template without upstream's scalar reshape for them is harmless.
@@ -466,7 +470,7 @@ OTHER_UPSTREAM_INPUTS = frozenset({
     "encoder_input_features", "encoder_output_lengths", "draft_input_ids", "decoder_input_ids",
     "decoder_input_lengths", "draft_logits", "draft_acceptance_threshold", "prompt_embedding_table",
     "prompt_table_extra_ids", "prompt_vocab_size", "cross_attention_mask", "mrope_rotary_cos_sin",
-    "mrope_position_deltas", "lora_task_id", "lora_weights", "lora_config", "context_phase_params",
+    "mrope_position_deltas", "context_phase_params",
     "skip_cross_attn_blocks", "retention_token_range_starts", "retention_token_range_ends",
     "retention_token_range_priorities", "retention_token_range_durations_ms", "retention_decode_priority",
     "retention_decode_duration_ms", "lookahead_window_size",
@@ -1119,3 +1123,51 @@ RULES: tuple[Rule, ...] = (
     Rule("TLLM_THROW / TLLM_CHECK errors carry ' (<path>:<line>)' and a stack trace after the message (tllm_error)",
          "include/tensorrt_llm/common/tllmException.h TllmException", "<message> (/<path>:<line>)\\n<trace>"),
 )
+
+
+# ----- LoRA: the PEFT cache (cpp/tensorrt_llm/batch_manager/peftCacheManager.cpp) ------------------------------
+# PeftCacheManager::addRequestPeft(): a request naming a task id without lora_weights/lora_config whose task the
+# cache does not hold throws PeftTaskNotCachedException with these words; the executor answers the request with
+# them as its error (tests/executor/executorTest: EXPECT_EQ on the whole message). The first request of a task
+# must therefore carry its weights, and so must the first one after the task was evicted.
+LORA_NOT_CACHED = "LoRA task {task_id} not found in cache. Please send LoRA weights with request"
+# loraCache.cpp LoraCache::claimPagesWithEvict(): pages are freed by evicting the least recently used tasks that
+# are done (no request in flight uses them); with none left to evict and no room, the put fails with this.
+LORA_CACHE_FULL = "Cache is full. There are no done tasks to evict"
+
+
+class PeftCache:
+    """Which task ids upstream's PEFT cache holds, `capacity` tasks at most (upstream sizes it in pages from
+    lora_cache_gpu_memory_fraction / lora_cache_host_memory_bytes; the double counts whole tasks, set by its
+    test knob test_lora_cache_tasks), evicting the least recently used task no request is using."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.tasks: dict[int, int] = {}  # task id -> requests in flight using it, least recently used first
+
+    def admit(self, task_id: int, has_weights: bool) -> tuple[str | None, list[int]]:
+        """A request of `task_id` arrives: (upstream's error or None, the tasks evicted to make room)."""
+        if task_id in self.tasks:
+            self.tasks[task_id] = self.tasks.pop(task_id)  # used: now the most recent
+            return None, []
+        if not has_weights:
+            return LORA_NOT_CACHED.format(task_id=task_id), []
+        evicted = []
+        while len(self.tasks) >= self.capacity:
+            done = next((task for task, users in self.tasks.items() if users == 0), None)
+            if done is None:
+                return LORA_CACHE_FULL, evicted
+            del self.tasks[done]
+            evicted.append(done)
+        self.tasks[task_id] = 0
+        return None, evicted
+
+    def use(self, task_id: int) -> None:
+        """A request of `task_id` is in the engine: its task is not evicted until it ends."""
+        if task_id in self.tasks:
+            self.tasks[task_id] += 1
+
+    def release(self, task_id: int) -> None:
+        """A request of `task_id` ended: once none uses it, the task may be evicted."""
+        if task_id in self.tasks:
+            self.tasks[task_id] = max(0, self.tasks[task_id] - 1)

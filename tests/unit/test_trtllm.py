@@ -468,3 +468,27 @@ def test_a_tokenizer_guided_decoding_cannot_use_leaves_the_path_empty(
     assert "guided decoding will not be available" in capsys.readouterr().err
     engine = parse(out / "model_repository" / "tensorrt_llm" / "config.pbtxt")
     assert engine.parameters["xgrammar_tokenizer_info_path"].string_value == ""
+
+
+def test_max_lora_rank_builds_the_lora_plugin_and_sizes_the_lora_cache(tmp_path: Path, llama_checkpoint: Path) -> None:
+    """`make engine BACKEND=trtllm MAX_LORA_RANK=16`: trtllm-build with the LoRA plugin, the rank and the target
+    modules; the rendered config's lora_cache_max_adapter_size is that rank. Without it: no LoRA flags."""
+    from build_engine.checkpoint import validate_checkpoint
+    from build_engine.limits import EngineLimits
+    from build_engine.values import engine_values
+
+    checkpoint = validate_checkpoint(llama_checkpoint)
+    limits = EngineLimits(max_batch_size=8, max_seq_len=1024, max_num_tokens=256)
+    options = trtllm.TrtllmOptions(max_lora_rank=16, lora_target_modules=("attn_q", "attn_v"))
+    plan = trtllm.plan_build(checkpoint, limits, options, work_dir=tmp_path, engine_dir=tmp_path / "engine")
+    build_cmd = plan.commands[1]
+    assert build_cmd[build_cmd.index("--lora_plugin"):] == ["--lora_plugin", plan.dtype, "--max_lora_rank", "16",
+                                                             "--lora_target_modules", "attn_q", "attn_v"]
+    record = trtllm.trtllm_engine_config(checkpoint, plan, limits, options, served_model_name="m", source={},
+                                         version=VERSION, checkpoint_hash="0" * 64, xgrammar_tokenizer_info=None)
+    assert engine_values(record, tmp_path / "engine")["lora_cache_max_adapter_size"] == "16"
+    plain = trtllm.plan_build(checkpoint, limits, trtllm.TrtllmOptions(), work_dir=tmp_path, engine_dir=tmp_path / "e")
+    assert "--lora_plugin" not in plain.commands[1]
+    with pytest.raises(trtllm.BuildError, match="--lora-target-modules"):
+        trtllm.plan_build(checkpoint, limits, trtllm.TrtllmOptions(max_lora_rank=8, lora_target_modules=("q_proj",)),
+                          work_dir=tmp_path, engine_dir=tmp_path / "e")

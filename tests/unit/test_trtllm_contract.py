@@ -627,3 +627,45 @@ def test_the_executors_full_queue_is_a_429_with_retry_after() -> None:
     error = error_for(InferenceServerException(msg=message), "tensorrt_llm")
     assert error.status == 429 and error.code == "overloaded" and int(error.headers["Retry-After"]) >= 1
     assert "Maximum queue size of 2 has been reached" in error.message
+
+
+# ----- LoRA (rules.PeftCache, peftCacheManager.cpp / loraCache.cpp) -------------------------------------------
+def test_the_rendered_trtllm_config_carries_the_lora_inputs_and_cache_parameters(trtllm_config) -> None:
+    inputs = {i["name"]: i for i in trtllm_config["input"]}
+    assert inputs["lora_weights"]["data_type"] == "TYPE_FP16"  # upstream's declaration (the engine's dtype)
+    assert inputs["lora_config"]["dims"] == ["-1", "3"] or inputs["lora_config"]["dims"] == [-1, 3]
+    assert inputs["lora_task_id"]["data_type"] == "TYPE_UINT64"
+    for name in ("lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size",
+                 "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes"):
+        assert rules.parameter_value(trtllm_config, name) is not None, name
+    assert rules.parameter_value(trtllm_config, "lora_cache_max_adapter_size") == 64
+
+
+def test_a_lora_input_declared_unlike_upstream_is_refused(trtllm_config) -> None:
+    for entry in trtllm_config["input"]:
+        if entry["name"] == "lora_weights":
+            entry["data_type"] = "TYPE_FP32"
+    assert rules.check_interface(trtllm_config) == [
+        f"{rules.DOUBLE}input lora_weights is TYPE_FP32 in the template, TYPE_FP16 upstream"]
+
+
+def test_the_first_request_of_a_lora_task_must_carry_its_weights() -> None:
+    cache = rules.PeftCache(capacity=2)
+    assert cache.admit(10, has_weights=False) == (
+        "LoRA task 10 not found in cache. Please send LoRA weights with request", [])
+    assert cache.admit(10, has_weights=True) == (None, [])
+    assert cache.admit(10, has_weights=False) == (None, [])  # cached: the task id alone
+
+
+def test_the_lora_cache_evicts_the_least_recently_used_task_no_request_uses() -> None:
+    cache = rules.PeftCache(capacity=2)
+    cache.admit(1, True)
+    cache.admit(2, True)
+    cache.admit(1, False)  # 1 used: 2 is now the least recently used
+    assert cache.admit(3, True) == (None, [2])
+    assert cache.admit(2, False)[0] == rules.LORA_NOT_CACHED.format(task_id=2)
+    cache.use(1)
+    cache.use(3)  # both in flight: nothing may be evicted
+    assert cache.admit(4, True) == (rules.LORA_CACHE_FULL, [])
+    cache.release(1)
+    assert cache.admit(4, True) == (None, [1])

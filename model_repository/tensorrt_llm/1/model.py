@@ -59,6 +59,7 @@ import triton_python_backend_utils as pb_utils
 from cpu_engine.config import EngineConfig
 from cpu_engine.engine import Engine
 from cpu_engine.guide_pool import GuidePool
+from cpu_engine.lora import LoraAdapter, LoraCache
 from cpu_engine.sampling import SampledToken, SamplingParams
 from cpu_engine.scheduler import (STOPPED_BY_ID, EngineStats, FinishReason, GenerationRequest, RequestError,
                                   new_request_id)
@@ -392,6 +393,10 @@ class TritonPythonModel:
                 raise
             self.guide_pool = GuidePool(self.guide_compiler)
             pb_utils.Logger.log_info(f"guided decoding: xgrammar, tokenizer from {tokenizer_dir}")
+        # LoRA (cpu_engine.lora): TensorRT-LLM's cache parameters; the host budget is the CPU engine's whole cache.
+        self.lora_budget = int(_param(config, "lora_cache_host_memory_bytes", "") or 1 << 30)
+        self.lora_max_rank = int(_param(config, "lora_cache_max_adapter_size", "") or 64)
+        self.lora_cache: LoraCache | None = None  # made on the first LoRA request (it needs the loaded model)
         self.metrics = EngineMetrics(self.model_name, args["model_version"])
 
     def _publish_stats(self, stats: EngineStats) -> None:
@@ -479,6 +484,7 @@ class TritonPythonModel:
             top_logprobs=top_logprobs,
         )
         guide_inputs = self._guide_inputs(request)
+        lora = self._lora(request)
         generation = GenerationRequest(
             request_id=request_id,
             prompt=prompt,
@@ -488,6 +494,7 @@ class TritonPythonModel:
             sampling=sampling,
             end_id=None if end_id is None else int(end_id),
             stop_words=_word_list(request, "stop_words_list"),
+            lora=lora,
         )
         if guide_inputs is not None:
             # Not assigned to `generation` here: a compile may end, and submit it, before this returns.
@@ -497,6 +504,21 @@ class TritonPythonModel:
                 return
             generation.guide = guide
         self.engine.submit(generation)
+
+    def _lora(self, request) -> LoraAdapter | None:
+        """The request's LoRA adapter (lora_task_id; lora_weights and lora_config when the cache may not hold it),
+        or None for the base model; RequestError as TensorRT-LLM words it for a task the cache does not hold."""
+        task_id = _scalar(request, "lora_task_id")
+        weights = pb_utils.get_input_tensor_by_name(request, "lora_weights")
+        config = pb_utils.get_input_tensor_by_name(request, "lora_config")
+        if task_id is None:
+            if weights is not None or config is not None:
+                raise RequestError("lora_weights and lora_config need a lora_task_id")
+            return None
+        if self.lora_cache is None:
+            self.lora_cache = LoraCache(self.engine.scheduler.runner.lora_shapes, self.lora_budget, self.lora_max_rank)
+        return self.lora_cache.resolve(int(task_id), None if weights is None else weights.as_numpy(),
+                                       None if config is None else config.as_numpy())
 
     def _guide_inputs(self, request) -> tuple[str | None, str | None] | None:
         """The request's (guided_decoding_guide_type, guided_decoding_guide), or None when it asks for no
