@@ -65,8 +65,8 @@ class EngineRequest:
     request_id: str
     prompt_ids: list[int]
     options: SamplingOptions
-    buffer: "BufferBudget | None" = None  # shared by the engine requests of one HTTP request
     lora: LoraWeights | None = None  # through this adapter; None: the base model
+    buffer: "BufferBudget | None" = None  # shared by the engine requests of one HTTP request
 
 
 class BufferBudget:

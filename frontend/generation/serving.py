@@ -169,7 +169,7 @@ def choice_jobs(req: SamplingFields, prompts: list[list[int]], context_length: i
         for j in range(req.n):
             seed = secrets.randbits(63) if req.seed is None else (req.seed + j) % 2**63
             options = replace(base, seed=seed)
-            jobs.append(ChoiceJob(p * req.n + j, EngineRequest(new_engine_request_id(), prompt_ids, options, buffer)))
+            jobs.append(ChoiceJob(p * req.n + j, EngineRequest(new_engine_request_id(), prompt_ids, options, buffer=buffer)))
     return jobs
 
 

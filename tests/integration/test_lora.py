@@ -106,7 +106,7 @@ async def test_weights_go_with_a_tasks_first_request_only_and_again_after_an_evi
     try:
         for i, name in enumerate(["a1", "a1", "a2", "a3", "a1"]):  # a3 evicts a1, the least recently used
             request = EngineRequest(f"lora-{i}", [1, 2, 3, 4], SamplingOptions(max_tokens=3, ignore_eos=True),
-                                    loras[name])
+                                    lora=loras[name])
             tokens = [t for chunk in [c async for c in engine.generate(request)] for t in chunk.token_ids]
             assert len(tokens) == 3
     finally:

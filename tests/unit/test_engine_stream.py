@@ -282,8 +282,8 @@ async def test_output_past_the_requests_buffer_budget_ends_it_with_a_clear_error
     engine = engine_on(fake)
     budget = BufferBudget(limit=10 * triton_engine.chunk_bytes(TokenChunk([1], [0.0])))
     options = SamplingOptions(max_tokens=100, logprobs=True)
-    tokens = engine.generate(EngineRequest("req-1", [1], options, budget))
-    other = engine.generate(EngineRequest("req-2", [1], options, budget))
+    tokens = engine.generate(EngineRequest("req-1", [1], options, buffer=budget))
+    other = engine.generate(EngineRequest("req-2", [1], options, buffer=budget))
     reading, other_reading = asyncio.ensure_future(tokens.__anext__()), asyncio.ensure_future(other.__anext__())
     while len(fake.calls) < 2:
         await started(fake)

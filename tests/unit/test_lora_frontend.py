@@ -91,7 +91,7 @@ async def test_weights_are_sent_on_first_use_and_again_after_the_engine_lost_the
 
     engine._lora_inputs, engine._generate = lora_inputs, generate
     lora = LoraWeights("a", 7, None, None)
-    request = EngineRequest("r", [1], SamplingOptions(max_tokens=1), lora)
+    request = EngineRequest("r", [1], SamplingOptions(max_tokens=1), lora=lora)
     for _ in range(2):
         assert [c.token_ids async for c in engine.generate(request)] == [[1]]
     cached.clear()  # evicted
