@@ -126,19 +126,27 @@ def find_aiperf_export(artifact_dir: Path) -> Path:
 # ----- GuideLLM --------------------------------------------------------------------------------------------
 def guidellm_command(tool_bin: str, base_url: str, model: str, tokenizer_dir: Path, prompts_file: Path,
                      workload: Workload, concurrency: int, requests: int, warmup: int, artifact_dir: Path) -> list[str]:
-    n = workload.output_tokens
-    body = {"ignore_eos": True, "min_tokens": n, "temperature": 0}
-    cmd = [tool_bin, "benchmark", "run", "--target", base_url.removesuffix("/v1"), "--model", model,
-           "--processor", str(tokenizer_dir), "--data", str(prompts_file),
-           "--data-column-mapper", json.dumps({"text_column": "text"}),
-           "--request-type", "chat_completions",
-           "--backend-kwargs", json.dumps({"extras": {"body": body}}),
-           "--profile", "concurrent", "--rate", str(concurrency), "--max-requests", str(requests),
-           "--random-seed", str(workload.seed), "--output-dir", str(artifact_dir), "--outputs", "json",
-           "--disable-console-interactive"]
+    """GuideLLM 0.8's CLI: each option a registry config as JSON ({"kind": ...}). The output length comes from
+    the data (`output_tokens_count`: max_completion_tokens + ignore_eos); min_tokens is added to the body.
+    Warm-up: GuideLLM's own, the first `warmup` requests of the level are sent but not counted (so the level
+    sends requests + warmup)."""
+    def js(value: dict[str, Any]) -> str:
+        return json.dumps(value, separators=(",", ":"))
+
+    backend = {"kind": "openai_http", "target": base_url.removesuffix("/v1"), "model": model,
+               "request_format": "/v1/chat/completions", "stream": True,
+               "extras": {"body": {"min_tokens": workload.output_tokens, "temperature": 0}}}
+    profile: dict[str, Any] = {"kind": "concurrent", "streams": [concurrency]}
     if warmup:
-        cmd += ["--warmup", str(warmup)]
-    return cmd
+        profile["warmup"] = {"value": warmup, "mode": "requests"}
+    return [tool_bin, "benchmark", "run",
+            "--backend", js(backend), "--profile", js(profile),
+            "--constraint", js({"kind": "max_requests", "count": requests + warmup}),
+            "--tokenizer", js({"kind": "huggingface_auto", "model": str(tokenizer_dir)}),
+            "--data", js({"kind": "json_file", "path": str(prompts_file)}),
+            "--seed", js({"kind": "static", "value": workload.seed}),
+            "--output", js({"kind": "json", "path": str(artifact_dir / "benchmarks.json")}),
+            "--disable-console-interactive"]
 
 
 def _guidellm_dist(metrics: dict[str, Any], names: tuple[str, ...]) -> tuple[dict[str, Any] | None, str]:
@@ -230,10 +238,12 @@ def parse_level(tool: str, artifact_dir: Path, concurrency: int) -> dict[str, An
 
 
 # ----- the run ---------------------------------------------------------------------------------------------
-def write_prompts(prompts: list[str], path: Path) -> Path:
-    """One JSON object per line, {"text": prompt}: AIPerf's `single_turn` custom dataset, GuideLLM's JSONL."""
+def write_prompts(prompts: list[str], output_tokens: int, path: Path) -> Path:
+    """One JSON object per line: AIPerf's `single_turn` custom dataset reads `text` and `output_length`
+    (max_tokens); GuideLLM reads the `text` column as the prompt and `output_tokens_count` as the output length.
+    Neither reads the other's field."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
+    path.write_text("".join(json.dumps({"text": p, "output_length": output_tokens, "output_tokens_count": output_tokens}) + "\n" for p in prompts))
     return path
 
 
@@ -356,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     repo = args.model_repository
     checkpoint = Path(servers.repository_parameter(repo, "preprocessing", "tokenizer_dir") or "").resolve()
     served = servers.repository_parameter(repo, "tensorrt_llm", "served_model_name") or checkpoint.name
-    prompts_file = write_prompts(workload.prompts(load_tokenizer(checkpoint)), raw_dir / "prompts.jsonl")
+    prompts_file = write_prompts(workload.prompts(load_tokenizer(checkpoint)), workload.output_tokens,
+                                 raw_dir / "prompts.jsonl")
     version = tool_version(tool_bin)
     print(f"{args.tool} {version}: workload {workload.name}, {workload.num_prompts} prompts x {workload.input_tokens} "
           f"tokens, {workload.output_tokens} output tokens, concurrency {concurrencies}; log {log}", flush=True)
