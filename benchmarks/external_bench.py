@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     t0 = time.monotonic()
-    tool_bin = args.tool_bin or str(servers.REPO_ROOT / "build" / f"{args.tool}-venv" / "bin" / args.tool)
+    tool_bin = str(Path(args.tool_bin).absolute()) if args.tool_bin else \
+        str(servers.REPO_ROOT / "build" / f"{args.tool}-venv" / "bin" / args.tool)
     if not Path(tool_bin).is_file():
         parser.error(f"{tool_bin} missing: `make bench-{args.tool}` installs it")
     workload = load_workload(args.quick, args.workload)
