@@ -20,6 +20,7 @@ are added to `make bench`'s own report (results.json, summary.md, plots) too.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime as dt
 import json
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import servers
+from benchmarks.loadgen import OpenAITarget, run_workload_level
 from benchmarks.report import write_results
 from benchmarks.workload import Workload, load_tokenizer, load_workload
 
@@ -46,7 +48,7 @@ _TO_MS = {"ms": 1.0, "millisecond": 1.0, "milliseconds": 1.0, "s": 1e3, "sec": 1
 
 # ----- AIPerf ----------------------------------------------------------------------------------------------
 def aiperf_command(tool_bin: str, base_url: str, model: str, tokenizer_dir: Path, prompts_file: Path,
-                   workload: Workload, concurrency: int, requests: int, warmup: int, artifact_dir: Path) -> list[str]:
+                   workload: Workload, concurrency: int, requests: int, artifact_dir: Path) -> list[str]:
     n = workload.output_tokens
     cmd = [tool_bin, "profile", "-m", model, "--endpoint-type", "chat", "--streaming",
            "--url", base_url.removesuffix("/v1"), "--tokenizer", str(tokenizer_dir),
@@ -56,8 +58,6 @@ def aiperf_command(tool_bin: str, base_url: str, model: str, tokenizer_dir: Path
            "--extra-inputs", "temperature:0", "--use-server-token-count",
            "--concurrency", str(concurrency), "--request-count", str(requests),
            "--random-seed", str(workload.seed), "--ui-type", "none", "--artifact-dir", str(artifact_dir)]
-    if warmup:
-        cmd += ["--warmup-request-count", str(warmup)]
     return cmd
 
 
@@ -125,23 +125,20 @@ def find_aiperf_export(artifact_dir: Path) -> Path:
 
 # ----- GuideLLM --------------------------------------------------------------------------------------------
 def guidellm_command(tool_bin: str, base_url: str, model: str, tokenizer_dir: Path, prompts_file: Path,
-                     workload: Workload, concurrency: int, requests: int, warmup: int, artifact_dir: Path) -> list[str]:
+                     workload: Workload, concurrency: int, requests: int, artifact_dir: Path) -> list[str]:
     """GuideLLM 0.8's CLI: each option a registry config as JSON ({"kind": ...}). The output length comes from
-    the data (`output_tokens_count`: max_completion_tokens + ignore_eos); min_tokens is added to the body.
-    Warm-up: GuideLLM's own, the first `warmup` requests of the level are sent but not counted (so the level
-    sends requests + warmup)."""
+    the data (`output_tokens_count`: max_completion_tokens + ignore_eos); min_tokens is added to the body."""
     def js(value: dict[str, Any]) -> str:
         return json.dumps(value, separators=(",", ":"))
 
     backend = {"kind": "openai_http", "target": base_url.removesuffix("/v1"), "model": model,
                "request_format": "/v1/chat/completions", "stream": True,
+               "api_routes": {"/health": "health/ready"},  # its start-up check GETs /health, ours is /health/ready
                "extras": {"body": {"min_tokens": workload.output_tokens, "temperature": 0}}}
-    profile: dict[str, Any] = {"kind": "concurrent", "streams": [concurrency]}
-    if warmup:
-        profile["warmup"] = {"value": warmup, "mode": "requests"}
-    return [tool_bin, "benchmark", "run",
+    profile = {"kind": "concurrent", "streams": [concurrency]}
+    return [tool_bin, "run",
             "--backend", js(backend), "--profile", js(profile),
-            "--constraint", js({"kind": "max_requests", "count": requests + warmup}),
+            "--constraint", js({"kind": "max_requests", "count": requests}),
             "--tokenizer", js({"kind": "huggingface_auto", "model": str(tokenizer_dir)}),
             "--data", js({"kind": "json_file", "path": str(prompts_file)}),
             "--seed", js({"kind": "static", "value": workload.seed}),
@@ -259,16 +256,24 @@ def tool_env(tool: str, work: Path) -> dict[str, str]:
     return env
 
 
+def warm_up(base_url: str, model: str, workload: Workload, prompts: list[str]) -> None:
+    """`make bench`'s warm-up, from our own client: the workload's warm-up requests at concurrency 1, before the
+    first level, not measured. (AIPerf's --warmup-request-count would do the same; GuideLLM 0.8's warm-up phase
+    ends when its first request is *sent*, so it excludes nothing in a closed-loop run this short.)"""
+    if workload.warmup_requests:
+        target = OpenAITarget(base_url, model, workload.output_tokens, label="warm-up")
+        asyncio.run(run_workload_level(target, prompts, 1, workload.warmup_requests, progress=False))
+
+
 def run_tool(tool: str, tool_bin: str, base_url: str, model: str, tokenizer_dir: Path, workload: Workload,
              prompts_file: Path, raw_dir: Path, log: Path, concurrencies: list[int]) -> list[dict[str, Any]]:
     rows = []
     env = tool_env(tool, raw_dir)
-    for i, c in enumerate(concurrencies):
+    for c in concurrencies:
         n = workload.requests_at(c)
         artifact_dir = raw_dir / f"c{c}"
         shutil.rmtree(artifact_dir, ignore_errors=True)
-        cmd = COMMANDS[tool](tool_bin, base_url, model, tokenizer_dir, prompts_file, workload, c, n,
-                             workload.warmup_requests if i == 0 else 0, artifact_dir)
+        cmd = COMMANDS[tool](tool_bin, base_url, model, tokenizer_dir, prompts_file, workload, c, n, artifact_dir)
         print(f"{tool} concurrency {c}: {n} requests", flush=True)
         t0 = time.monotonic()
         with log.open("a") as out:
@@ -326,8 +331,7 @@ NOTES = {
               "prompts as a `single_turn` input file, `--use-server-token-count`), one run per concurrency; figures from "
               "its profile_export_aiperf.json. TTFT: sent -> first SSE chunk with content; ITL per request = "
               "(E2E - TTFT)/(tokens - 1), tokens from the usage chunk; throughput over its benchmark duration.",
-    "guidellm": "`guidellm` = GuideLLM {version} (`guidellm benchmark run --profile concurrent --request-type "
-                "chat_completions`, the workload's prompts as a JSONL file), one run per concurrency; figures from its "
+    "guidellm": "`guidellm` = GuideLLM {version} (`guidellm run --profile concurrent`, chat completions, the workload's prompts as a JSONL file), one run per concurrency; figures from its "
                 "benchmarks.json. TTFT: sent -> first token-carrying chunk; ITL per request = (E2E - TTFT)/(tokens - 1); "
                 "output tokens from the usage chunk (the tokenizer only when there is none); tok/s and req/s recomputed "
                 "as totals over the benchmark's duration (GuideLLM's own rates are means over time windows).",
@@ -367,8 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     repo = args.model_repository
     checkpoint = Path(servers.repository_parameter(repo, "preprocessing", "tokenizer_dir") or "").resolve()
     served = servers.repository_parameter(repo, "tensorrt_llm", "served_model_name") or checkpoint.name
-    prompts_file = write_prompts(workload.prompts(load_tokenizer(checkpoint)), workload.output_tokens,
-                                 raw_dir / "prompts.jsonl")
+    prompts = workload.prompts(load_tokenizer(checkpoint))
+    prompts_file = write_prompts(prompts, workload.output_tokens, raw_dir / "prompts.jsonl")
     version = tool_version(tool_bin)
     print(f"{args.tool} {version}: workload {workload.name}, {workload.num_prompts} prompts x {workload.input_tokens} "
           f"tokens, {workload.output_tokens} output tokens, concurrency {concurrencies}; log {log}", flush=True)
@@ -382,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"triton ready at {endpoints.grpc_url} ({time.monotonic() - t0:.0f} s)", flush=True)
             base_url = stack.enter_context(servers.frontend(endpoints.grpc_url, log_dir))
             print(f"frontend ready at {base_url} ({time.monotonic() - t0:.0f} s)", flush=True)
+        warm_up(base_url, served, workload, prompts)
         rows = run_tool(args.tool, tool_bin, base_url, served, checkpoint, workload, prompts_file, raw_dir, log,
                         concurrencies)
 
