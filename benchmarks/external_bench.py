@@ -308,7 +308,7 @@ def add_to_bench_report(bench_dir: Path, tool: str, rows: list[dict[str, Any]], 
     results = [r for r in data.pop("results", []) if r.get("target") != tool] + rows
     old_ratios = data.pop("ratios", [])
     pairs = list(dict.fromkeys(tuple(r["of"].split("/", 1)) for r in old_ratios
-                               if not r["of"].startswith(tool + "/")))
+                               if r["of"].split("/", 1)[0] not in TOOLS))
     for other in TOOLS:
         if any(r["target"] == other for r in results):
             pairs.append((other, "frontend"))

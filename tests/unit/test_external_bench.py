@@ -117,7 +117,10 @@ def test_bench_report_merge(tmp_path: Path) -> None:
                                       "`aiperf` = ...", plots=False)
     data = json.loads((tmp_path / "results.json").read_text())
     assert [r["target"] for r in data["results"]] == ["frontend", "triton", "aiperf"]
-    assert {r["of"] for r in data["ratios"]} == {"frontend/triton", "aiperf/frontend"}
+    assert [r["of"] for r in data["ratios"]] == ["frontend/triton", "aiperf/frontend"]
+    eb.add_to_bench_report(tmp_path, "guidellm", [{"target": "guidellm", **row}], "`guidellm` = ...", plots=False)
+    ratios = [r["of"] for r in json.loads((tmp_path / "results.json").read_text())["ratios"]]
+    assert ratios == ["frontend/triton", "aiperf/frontend", "guidellm/frontend"]  # each pair once
     assert data["notes"] == ["n", "`aiperf` = ..."]
     assert "| aiperf | 1 |" in (tmp_path / "summary.md").read_text()
     assert not eb.add_to_bench_report(tmp_path / "none", "aiperf", [], "", plots=False)
