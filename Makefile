@@ -84,7 +84,7 @@ bench: install
 	$(PY) -m build_engine --if-missing --preset small --output-dir $(BUILD)/bench
 	$(PY) -m benchmarks.stack_bench --model-repository $(BUILD)/bench/model_repository --work-dir $(BUILD)/bench $(QUICK_FLAG)
 
-# NVIDIA's AIPerf and Neural Magic's GuideLLM against the same stack with `make bench`'s workload
+# NVIDIA's AIPerf and GuideLLM (vllm-project) against the same stack with `make bench`'s workload
 # (benchmarks/README.md, "AIPerf and GuideLLM"); each pinned, in its own venv under $(BUILD) (never the project's),
 # rebuilt when its pin changes. Results next to `make bench`'s: benchmarks/results/<date>[-quick]/<tool>/.
 AIPERF_VERSION := 0.13.0

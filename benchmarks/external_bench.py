@@ -4,9 +4,9 @@ Starts Triton and the frontend as `make bench` does (benchmarks/servers.py), wri
 (benchmarks/workload.py: the same seeded texts, exactly `input_tokens` tokens each) to a JSONL file the tool
 reads, and runs the tool once per concurrency level: closed loop at that concurrency, the workload's requests
 per level, streaming chat completions with exactly `output_tokens` output tokens (max_tokens = min_tokens,
-ignore_eos), the workload's warm-up requests before the first level. The tool's own JSON export of each level
-is parsed (`parse_aiperf_export`, `parse_guidellm_export`) into the figures `make bench` reports (tokens/s,
-requests/s, TTFT/ITL/E2E p50/p90/p99), and written in the same report format (benchmarks/report.py) to
+ignore_eos), the workload's warm-up requests (sent by our own client) before the first level. The tool's own
+JSON export of each level is parsed (`parse_aiperf_export`, `parse_guidellm_export`) into the figures
+`make bench` reports (tokens/s, requests/s, TTFT/ITL/E2E p50/p90/p99), and written in the same report format (benchmarks/report.py) to
 benchmarks/results/<date>[-quick]/<tool>/ (the tool's raw artifacts under raw/), next to `make bench`'s.
 When that folder already holds `make bench`'s results.json, its `frontend` rows (our load generator, same
 endpoint) go into the same tables and plots as `loadgen`, with the ratios <tool>/loadgen, and the tool's rows
@@ -14,7 +14,7 @@ are added to `make bench`'s own report (results.json, summary.md, plots) too.
 
     python -m benchmarks.external_bench --tool aiperf --tool-bin build/aiperf-venv/bin/aiperf \
         --model-repository build/bench/model_repository --work-dir build/bench [--quick]
-    python -m benchmarks.external_bench --tool guidellm --parse-only DIR    # re-read a raw/ folder
+    python -m benchmarks.external_bench --tool guidellm --url http://127.0.0.1:9000/v1 --quick   # a running stack
 """
 
 from __future__ import annotations
@@ -240,7 +240,8 @@ def write_prompts(prompts: list[str], output_tokens: int, path: Path) -> Path:
     (max_tokens); GuideLLM reads the `text` column as the prompt and `output_tokens_count` as the output length.
     Neither reads the other's field."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": p, "output_length": output_tokens, "output_tokens_count": output_tokens}) + "\n" for p in prompts))
+    rows = ({"text": p, "output_length": output_tokens, "output_tokens_count": output_tokens} for p in prompts)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
@@ -320,21 +321,24 @@ def add_to_bench_report(bench_dir: Path, tool: str, rows: list[dict[str, Any]], 
 def tool_version(tool_bin: str) -> str | None:
     venv_python = Path(tool_bin).parent / "python"
     try:
-        return subprocess.run([str(venv_python), "-c", f"import importlib.metadata as m; print(m.version('{Path(tool_bin).name}'))"],
-                              capture_output=True, text=True, check=True, timeout=60).stdout.strip() or None
+        code = f"import importlib.metadata as m; print(m.version('{Path(tool_bin).name}'))"
+        return subprocess.run([str(venv_python), "-c", code], capture_output=True, text=True, check=True,
+                              timeout=60).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
 
 NOTES = {
-    "aiperf": "`aiperf` = NVIDIA AIPerf {version} (`aiperf profile --endpoint-type chat --streaming`, the workload's "
-              "prompts as a `single_turn` input file, `--use-server-token-count`), one run per concurrency; figures from "
-              "its profile_export_aiperf.json. TTFT: sent -> first SSE chunk with content; ITL per request = "
-              "(E2E - TTFT)/(tokens - 1), tokens from the usage chunk; throughput over its benchmark duration.",
-    "guidellm": "`guidellm` = GuideLLM {version} (`guidellm run --profile concurrent`, chat completions, the workload's prompts as a JSONL file), one run per concurrency; figures from its "
-                "benchmarks.json. TTFT: sent -> first token-carrying chunk; ITL per request = (E2E - TTFT)/(tokens - 1); "
-                "output tokens from the usage chunk (the tokenizer only when there is none); tok/s and req/s recomputed "
-                "as totals over the benchmark's duration (GuideLLM's own rates are means over time windows).",
+    "aiperf": "`aiperf` = NVIDIA AIPerf {version} (`aiperf profile --endpoint-type chat --streaming`, the "
+              "workload's prompts as a `single_turn` input file, `--use-server-token-count`), one run per "
+              "concurrency; figures from its profile_export_aiperf.json. TTFT: sent -> first SSE chunk with "
+              "content; ITL per request = (E2E - TTFT)/(tokens - 1), tokens from the usage chunk; throughput "
+              "over its benchmark duration.",
+    "guidellm": "`guidellm` = GuideLLM {version} (`guidellm run --profile concurrent`, chat completions, the "
+                "workload's prompts as a JSONL file), one run per concurrency; figures from its benchmarks.json. "
+                "TTFT: sent -> first token-carrying chunk; ITL per request = (E2E - TTFT)/(tokens - 1); E2E to "
+                "the stream's close; output tokens from the usage chunk; tok/s and req/s recomputed as totals "
+                "over the benchmark's duration (GuideLLM's own rates are means over time windows).",
 }
 
 
