@@ -1,4 +1,4 @@
-"""`make bench-aiperf` / `make bench-guidellm`: NVIDIA's AIPerf or GuideLLM against the stack, `make bench`'s workload.
+"""`make bench-aiperf` / `make bench-guidellm`: NVIDIA AIPerf or GuideLLM on `make bench`'s workload.
 
 Starts Triton and the frontend as `make bench` does (benchmarks/servers.py), writes the workload's own prompts
 (benchmarks/workload.py: the same seeded texts, exactly `input_tokens` tokens each) to a JSONL file the tool
