@@ -7,8 +7,8 @@ per level, streaming chat completions with exactly `output_tokens` output tokens
 ignore_eos), the workload's warm-up requests (sent by our own client) before the first level. The tool's own
 JSON export of each level is parsed (`parse_aiperf_export`, `parse_guidellm_export`) into the figures
 `make bench` reports (tokens/s, requests/s, TTFT/ITL/E2E p50/p90/p99), and written in the same report format
-(benchmarks/report.py) to benchmarks/results/<date>[-quick]/<tool>/ (the tool's raw artifacts under raw/), next to `make bench`'s.
-When that folder already holds `make bench`'s results.json, its `frontend` rows (our load generator, same
+(benchmarks/report.py) to benchmarks/results/<date>[-quick]/<tool>/ (the tool's raw artifacts under raw/), next
+to `make bench`'s. When that folder already holds `make bench`'s results.json, its `frontend` rows (our load generator, same
 endpoint) go into the same tables and plots as `loadgen`, with the ratios <tool>/loadgen, and the tool's rows
 are added to `make bench`'s own report (results.json, summary.md, plots) too.
 
