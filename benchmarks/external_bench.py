@@ -1,16 +1,16 @@
 """`make bench-aiperf` / `make bench-guidellm`: NVIDIA AIPerf or GuideLLM on `make bench`'s workload.
 
 Starts Triton and the frontend as `make bench` does (benchmarks/servers.py), writes the workload's own prompts
-(benchmarks/workload.py: the same seeded texts, exactly `input_tokens` tokens each) to a JSONL file the tool
-reads, and runs the tool once per concurrency level: closed loop at that concurrency, the workload's requests
-per level, streaming chat completions with exactly `output_tokens` output tokens (max_tokens = min_tokens,
-ignore_eos), the workload's warm-up requests (sent by our own client) before the first level. The tool's own
-JSON export of each level is parsed (`parse_aiperf_export`, `parse_guidellm_export`) into the figures
-`make bench` reports (tokens/s, requests/s, TTFT/ITL/E2E p50/p90/p99), and written in the same report format
-(benchmarks/report.py) to benchmarks/results/<date>[-quick]/<tool>/ (the tool's raw artifacts under raw/), next
-to `make bench`'s. When that folder already holds `make bench`'s results.json, its `frontend` rows (our load generator, same
-endpoint) go into the same tables and plots as `loadgen`, with the ratios <tool>/loadgen, and the tool's rows
-are added to `make bench`'s own report (results.json, summary.md, plots) too.
+(benchmarks/workload.py: the same seeded texts, exactly `input_tokens` tokens each) to a JSONL file the tool reads,
+and runs the tool once per concurrency level: closed loop at that concurrency, the workload's requests per level,
+streaming chat completions with exactly `output_tokens` output tokens (max_tokens = min_tokens, ignore_eos), the
+workload's warm-up requests (sent by our own client) before the first level. The tool's own JSON export of each
+level is parsed (`parse_aiperf_export`, `parse_guidellm_export`) into the figures `make bench` reports (tokens/s,
+requests/s, TTFT/ITL/E2E p50/p90/p99), and written in the same report format (benchmarks/report.py) to
+benchmarks/results/<date>[-quick]/<tool>/ (the tool's raw artifacts under raw/), next to `make bench`'s. When that
+folder already holds `make bench`'s results.json, its `frontend` rows (our load generator, same endpoint) go into
+the same tables and plots as `loadgen`, with the ratios <tool>/loadgen, and the tool's rows are added to `make
+bench`'s own report (results.json, summary.md, plots) too.
 
     python -m benchmarks.external_bench --tool aiperf --tool-bin build/aiperf-venv/bin/aiperf \
         --model-repository build/bench/model_repository --work-dir build/bench [--quick]
