@@ -33,7 +33,7 @@ NAMED_FLAGS := $(if $(NAME),--name $(NAME)) $(if $(KEEP_VERSIONS),--keep-version
 # `make serve` serves the named models when there are any, else the one default engine.
 NAMED_MODELS := $(wildcard $(BUILD)/models/*/rollout.json)
 
-.PHONY: install codex-cli engine serve rollout rollback test test-deps docs soak bench bench-pa bench-frontend bench-grpc-client bench-overhead clean lint
+.PHONY: install codex-cli engine serve rollout rollback test test-deps docs soak bench bench-aiperf bench-guidellm bench-pa bench-frontend bench-grpc-client bench-overhead clean lint
 
 # A venv with every role's pinned dependencies; rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -93,6 +93,26 @@ QUICK_FLAG = $(if $(filter-out 0,$(QUICK)),--quick)
 bench: install
 	$(PY) -m build_engine --if-missing --preset small --output-dir $(BUILD)/bench
 	$(PY) -m benchmarks.stack_bench --model-repository $(BUILD)/bench/model_repository --work-dir $(BUILD)/bench $(QUICK_FLAG)
+
+# NVIDIA's AIPerf and GuideLLM (vllm-project) against the same stack with `make bench`'s workload
+# (benchmarks/README.md, "AIPerf and GuideLLM"); each pinned, in its own venv under $(BUILD) (never the project's),
+# rebuilt when its pin changes. Results next to `make bench`'s: benchmarks/results/<date>[-quick]/<tool>/.
+AIPERF_VERSION := 0.13.0
+GUIDELLM_VERSION := 0.8.1
+$(BUILD)/aiperf-venv/.installed-$(AIPERF_VERSION):
+	rm -rf $(BUILD)/aiperf-venv && $(PYTHON) -m venv $(BUILD)/aiperf-venv
+	$(BUILD)/aiperf-venv/bin/python -m pip install --quiet --disable-pip-version-check aiperf==$(AIPERF_VERSION)
+	touch $@
+$(BUILD)/guidellm-venv/.installed-$(GUIDELLM_VERSION):
+	rm -rf $(BUILD)/guidellm-venv && $(PYTHON) -m venv $(BUILD)/guidellm-venv
+	$(BUILD)/guidellm-venv/bin/python -m pip install --quiet --disable-pip-version-check guidellm==$(GUIDELLM_VERSION)
+	touch $@
+bench-aiperf: install $(BUILD)/aiperf-venv/.installed-$(AIPERF_VERSION)
+bench-guidellm: install $(BUILD)/guidellm-venv/.installed-$(GUIDELLM_VERSION)
+bench-aiperf bench-guidellm: bench-%:
+	$(PY) -m build_engine --if-missing --preset small --output-dir $(BUILD)/bench
+	$(PY) -m benchmarks.external_bench --tool $* --tool-bin $(BUILD)/$*-venv/bin/$* \
+		--model-repository $(BUILD)/bench/model_repository --work-dir $(BUILD)/bench $(QUICK_FLAG)
 
 # The frontend's CPU per streamed token, against an engine that costs nothing (benchmarks/README.md, "Frontend
 # benchmark"): concurrency 1, 16, 64, 256; results in benchmarks/results/<date>[-quick]/frontend/ (or BENCH_OUT=<dir>).
