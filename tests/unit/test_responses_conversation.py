@@ -13,9 +13,9 @@ from pydantic import TypeAdapter
 
 from frontend.openai.errors import OpenAIError
 from frontend.openai.schemas import ChatMessage
-from frontend.responses.conversation import (chat_messages, conversation_messages, drop_oldest_turns, stored_item,
+from frontend.responses_api.conversation import (chat_messages, conversation_messages, drop_oldest_turns, stored_item,
                                             turn_starts)
-from frontend.responses.request import ResponsesRequest
+from frontend.responses_api.request import ResponsesRequest
 
 ITEM = TypeAdapter(ResponseItem)
 

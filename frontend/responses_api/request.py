@@ -142,7 +142,7 @@ class ReasoningText(RequestModel):
 
 class ReasoningItem(RequestModel):
     """Reasoning of an earlier turn: in the clear (`content`), or as this server sealed it (`encrypted_content`,
-    include `reasoning.encrypted_content`), opened again before the prompt is rendered (frontend/responses/
+    include `reasoning.encrypted_content`), opened again before the prompt is rendered (frontend/responses_api/
     sealing.py)."""
 
     type: Literal["reasoning"]
