@@ -29,7 +29,7 @@ from frontend.planning.chat_plan import ChatPlan
 from frontend.planning.guide_check import check_guides
 from frontend.planning.logprobs import check_logprobs_meaning
 from frontend.policy.deadlines import Deadline
-from frontend.responses_api.asgi import FollowResponse, ForegroundResponse
+from frontend.http.responses_asgi import FollowResponse, ForegroundResponse
 from frontend.responses_api.conversation import drop_oldest_turns
 from frontend.responses_api.request import ReasoningItem, ReasoningText, ResponsesRequest
 from frontend.responses_api.sealing import ReasoningSeal, reasoning_seal
