@@ -27,7 +27,7 @@ from frontend.models.registry import ModelContext
 from frontend.openai.schemas import ChatCompletionRequest
 from frontend.planning.chat_plan import ChatPlan
 from frontend.planning.guide_check import check_guides
-from frontend.planning.logprobs import check_logprobs_meaning
+from frontend.planning.logprob_rules import check_logprobs_meaning
 from frontend.policy.deadlines import Deadline
 from frontend.http.responses_asgi import FollowResponse, ForegroundResponse
 from frontend.responses_api.conversation import drop_oldest_turns

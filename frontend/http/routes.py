@@ -23,7 +23,7 @@ from frontend.openai.schemas import (MAX_N, ChatCompletionRequest, ChatMessage, 
                               ModelCard, ModelList, SamplingFields, TokenizeRequest, now, raw_prompts)
 from frontend.generation.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs, resolve_max_tokens
 from frontend.planning.guide_check import check_guides
-from frontend.planning.logprobs import check_logprobs_meaning
+from frontend.planning.logprob_rules import check_logprobs_meaning
 from frontend.planning.sampling import check_top_k, engine_sampling
 from frontend.planning.structured import extension_guide
 
