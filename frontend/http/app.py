@@ -12,7 +12,7 @@ import anyio
 from fastapi import FastAPI
 
 from frontend.http import admin, responses_routes
-from frontend.openai.errors import OpenAIError, install_error_handlers
+from frontend.api_types.errors import OpenAIError, install_error_handlers
 from frontend.http.middleware import Edge, EdgeMiddleware
 from frontend.models.registry import ModelRegistry
 from frontend.responses_api.service import ResponsesService

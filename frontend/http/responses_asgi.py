@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from frontend.generation.serving import Generation
-from frontend.openai.errors import OpenAIError
+from frontend.api_types.errors import OpenAIError
 from frontend.responses_api.events import Event, sse_frame
 from frontend.responses_api.run import ResponseRun
 

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from frontend.openai.errors import invalid_request
-from frontend.openai.schemas import (INT32_MAX, SEED_LIMIT, ClientRequest, ClientStr, Fp32, RequestModel,
+from frontend.api_types.errors import invalid_request
+from frontend.api_types.schemas import (INT32_MAX, SEED_LIMIT, ClientRequest, ClientStr, Fp32, RequestModel,
                                      client_error_path)
 
 MAX_INPUT_ITEMS = 1024  # items in one request's `input`

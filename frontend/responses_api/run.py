@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import anyio
 
 from frontend.generation.serving import Generation, UsageCounter
-from frontend.openai.errors import OpenAIError
+from frontend.api_types.errors import OpenAIError
 from frontend.responses_api import events
 from frontend.responses_api.events import Event
 from frontend.responses_api.objects import TERMINAL_STATUSES, error_object, response_object, usage_object

@@ -31,8 +31,8 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError
 
 from frontend.generation.serving import Generation
-from frontend.openai.errors import OpenAIError, invalid_request
-from frontend.openai.schemas import ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat
+from frontend.api_types.errors import OpenAIError, invalid_request
+from frontend.api_types.schemas import ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat
 from frontend.responses_api.conversation import conversation_messages, stored_item
 from frontend.responses_api import events
 from frontend.responses_api.events import Event

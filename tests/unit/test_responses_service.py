@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from frontend.generation.serving import TextDelta, UsageCounter
-from frontend.openai.errors import OpenAIError
+from frontend.api_types.errors import OpenAIError
 from frontend.responses_api.request import ResponsesRequest
 from frontend.responses_api.run import ResponseRun
 from frontend.responses_api.service import LazyStore, ResponsesService, database_url, store_description

@@ -16,7 +16,7 @@ from openai.types.responses.response_stream_event import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from frontend.generation.serving import TextDelta
-from frontend.openai.errors import OpenAIError
+from frontend.api_types.errors import OpenAIError
 from frontend.parsing.tool_parsers import ToolCallDelta
 from frontend.responses_api import events
 from frontend.responses_api.conversation import conversation_messages, stored_item

@@ -21,8 +21,8 @@ from tests.trtllm_contract.double import REPO_ROOT, add_contract_double, contrac
 # The sampler rules' frontend side (frontend/planning/logprob_rules.py, the queue-full mapping, the metadata field).
 from frontend.generation.engine import SamplingOptions
 from frontend.generation.triton_engine import TritonEngine, build_inputs, error_for, requested_outputs
-from frontend.openai.errors import OpenAIError
-from frontend.openai.schemas import SamplingFields
+from frontend.api_types.errors import OpenAIError
+from frontend.api_types.schemas import SamplingFields
 from frontend.planning.logprob_rules import check_logprobs_meaning, logprobs_meaning_problems
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
