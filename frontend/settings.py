@@ -122,7 +122,7 @@ class Settings(BaseSettings):
                                                            "(prompts x n); past it: 400")
     max_messages: int = Field(2048, ge=1, description="most chat `messages` in one request (chat, /tokenize), "
                                                       "counted before the body is validated; past it: 400")
-    # at most the schemas' own bounds (responses/request.py MAX_INPUT_ITEMS, MAX_TOOLS; chat's tools)
+    # at most the schemas' own bounds (responses_api/request.py MAX_INPUT_ITEMS, MAX_TOOLS; chat's tools)
     max_input_items: int = Field(1024, ge=1, le=1024, description="most Responses `input` items in one request, "
                                  "counted before the body is validated; past it: 400")
     max_tools: int = Field(128, ge=1, le=128, description="most `tools` in one request, counted before the body is "
@@ -146,7 +146,7 @@ class Settings(BaseSettings):
                                                               "event in a stream); X-Request-Timeout may lower it")
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long requests in flight may finish "
                                                             "before they are cancelled")
-    # Stored responses (/v1/responses with store, previous_response_id, background; frontend/responses/)
+    # Stored responses (/v1/responses with store, previous_response_id, background; frontend/responses_api/)
     responses_db_url: str = Field(
         f"sqlite:///{Path(tempfile.gettempdir()) / 'tritonllm' / 'responses.sqlite3'}",
         description="database of stored responses. Deploys must set it: sqlite:////tmp/responses.sqlite3 (one file, "
@@ -175,7 +175,7 @@ class Settings(BaseSettings):
     responses_stale_after_s: float = Field(
         30.0, gt=0, description="a background response whose process has not refreshed its heartbeat for this "
                                 "long (the process died) reads as failed; refreshed every third of it")
-    # Reasoning the client carries (include reasoning.encrypted_content; frontend/responses/sealing.py)
+    # Reasoning the client carries (include reasoning.encrypted_content; frontend/responses_api/sealing.py)
     # Env only, like api_keys: a secret.
     responses_reasoning_keys: CliSuppress[SecretStr | None] = Field(
         None, description="RESPONSES_REASONING_KEYS: comma-separated keys (32+ characters each) sealing the "

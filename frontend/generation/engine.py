@@ -118,7 +118,7 @@ class EngineMetadata:
     #   the model's own only at temperature 0 or 1 without penalties or min_tokens;
     # "top_k_normalized": TensorRT-LLM's default (true; also when the parameter is absent or unparsable):
     #   renormalised over the top-k tokens, 0.0 for every token at temperature 0.
-    # frontend/planning/logprobs.py refuses the log-probs that would not mean OpenAI's.
+    # frontend/planning/logprob_rules.py refuses the log-probs that would not mean OpenAI's.
     log_probs: str = "model"
 
 

@@ -29,7 +29,7 @@ from tritonclient.utils import InferenceServerException
 
 from frontend.generation.engine import (BufferBudget, EngineMetadata, EngineRequest, LoraWeights, SamplingOptions,
                                        TokenChunk)
-from frontend.openai.errors import OpenAIError, engine_error, invalid_request, service_unavailable, too_many_requests
+from frontend.api_types.errors import OpenAIError, engine_error, invalid_request, service_unavailable, too_many_requests
 
 log = logging.getLogger("frontend")
 

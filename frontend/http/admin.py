@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from frontend.policy.auth import bearer_token
-from frontend.openai.errors import OpenAIError, invalid_api_key
+from frontend.api_types.errors import OpenAIError, invalid_api_key
 
 ADMIN_PREFIX = "/admin"
 

@@ -13,10 +13,10 @@ from fastapi import FastAPI
 
 from frontend.http import admin, console, responses_routes
 from frontend.observability.console import ConsoleSummary
-from frontend.openai.errors import OpenAIError, install_error_handlers
+from frontend.api_types.errors import OpenAIError, install_error_handlers
 from frontend.http.middleware import Edge, EdgeMiddleware
 from frontend.models.registry import ModelRegistry
-from frontend.responses.service import ResponsesService
+from frontend.responses_api.service import ResponsesService
 from frontend.models.rollout import SOLO, FleetMember, Rollouts
 from frontend.http.routes import router
 from frontend.settings import Settings

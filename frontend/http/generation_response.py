@@ -17,7 +17,7 @@ from anyio import CancelScope
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from frontend.openai.errors import OpenAIError
+from frontend.api_types.errors import OpenAIError
 from frontend.http.renderers import Renderer
 from frontend.generation.serving import Generation, TextDelta
 from frontend.http.sse import DONE, sse_json

@@ -34,7 +34,7 @@ from frontend.http.admin import ADMIN_PREFIX, LORA_ADMIN_PATHS
 from frontend.policy.admission import AdmissionGate, Limits, LocalLimits, RateLimiter, TokenDemand
 from frontend.policy.auth import ANONYMOUS, KeyStore, bearer_token
 from frontend.policy.deadlines import Deadline, Deadlines
-from frontend.openai.errors import OpenAIError, invalid_api_key, invalid_request, payload_too_large, service_unavailable
+from frontend.api_types.errors import OpenAIError, invalid_api_key, invalid_request, payload_too_large, service_unavailable
 from frontend.observability.metrics import CONTENT_TYPE_LATEST, Metrics, TritonMetrics, exposition
 from frontend.http.request_budget import RequestBudget
 from frontend.generation.serving import UsageCounter

@@ -12,8 +12,8 @@ from typing import Callable, Protocol
 from pydantic import BaseModel
 from pydantic_core import to_json
 
-from frontend.http.logprobs import TokenStrings, chat_logprobs, completion_logprobs
-from frontend.openai.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
+from frontend.http.logprob_rendering import TokenStrings, chat_logprobs, completion_logprobs
+from frontend.api_types.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
                               Completion, CompletionChoice, FunctionCallDeltaOut, FunctionCallOut, ResponseMessage,
                               ToolCallDeltaOut, ToolCallOut, Usage, completion_id, now)
 from frontend.generation.serving import ChoiceResult, TextDelta, UsageCounter

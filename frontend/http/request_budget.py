@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Awaitable, Protocol
 
 from frontend.policy.admission import NeverFits, Rejected, TokenDemand, TokenReservation, slots_for, tokens_to_charge
-from frontend.openai.errors import OpenAIError, invalid_request, too_many_requests
+from frontend.api_types.errors import OpenAIError, invalid_request, too_many_requests
 from frontend.observability.metrics import TokenTiming
 from frontend.generation.serving import TextDelta
 

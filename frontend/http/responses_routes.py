@@ -1,4 +1,4 @@
-"""HTTP routes of the Responses API: parse, hand to the Responses service (frontend/responses/), return.
+"""HTTP routes of the Responses API: parse, hand to the Responses service (frontend/responses_api/), return.
 
 A response is planned, tokenized and admitted with the chat route's own steps (frontend/http/routes.py):
 the same chat plan, guide check, chat template and admission, so a Responses prompt is exactly the chat
@@ -24,16 +24,16 @@ from frontend.http.request_budget import RequestBudget
 from frontend.http.routes import (check_fits_context, check_top_logprobs, lists_fit, model_context, new_generation,
                                   off_loop, rate_limited, request_context)
 from frontend.models.registry import ModelContext
-from frontend.openai.schemas import ChatCompletionRequest
+from frontend.api_types.schemas import ChatCompletionRequest
 from frontend.planning.chat_plan import ChatPlan
 from frontend.planning.guide_check import check_guides
-from frontend.planning.logprobs import check_logprobs_meaning
+from frontend.planning.logprob_rules import check_logprobs_meaning
 from frontend.policy.deadlines import Deadline
-from frontend.responses.asgi import FollowResponse, ForegroundResponse
-from frontend.responses.conversation import drop_oldest_turns
-from frontend.responses.request import ReasoningItem, ReasoningText, ResponsesRequest
-from frontend.responses.sealing import ReasoningSeal, reasoning_seal
-from frontend.responses.service import ResponsesService, responses_params
+from frontend.http.responses_asgi import FollowResponse, ForegroundResponse
+from frontend.responses_api.conversation import drop_oldest_turns
+from frontend.responses_api.request import ReasoningItem, ReasoningText, ResponsesRequest
+from frontend.responses_api.sealing import ReasoningSeal, reasoning_seal
+from frontend.responses_api.service import ResponsesService, responses_params
 
 router = APIRouter(route_class=OffLoopJSONRoute, dependencies=[Depends(rate_limited)])
 

@@ -12,18 +12,18 @@ from fastapi import APIRouter, Depends, Request
 from frontend.policy.admission import TokenDemand
 from frontend.planning.chat_plan import ChatPlan
 from frontend.generation.engine import Guide
-from frontend.openai.errors import OpenAIError, invalid_request, service_unavailable
+from frontend.api_types.errors import OpenAIError, invalid_request, service_unavailable
 from frontend.http.json_body import OffLoopJSONRoute, parsed_json
 from frontend.http.middleware import RequestContext
 from frontend.models.registry import ModelContext
 from frontend.http.renderers import ChatRenderer, CompletionRenderer
 from frontend.http.request_budget import RequestBudget
 from frontend.http.generation_response import GenerationResponse
-from frontend.openai.schemas import (MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+from frontend.api_types.schemas import (MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               ModelCard, ModelList, SamplingFields, TokenizeRequest, now, raw_prompts)
 from frontend.generation.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs, resolve_max_tokens
 from frontend.planning.guide_check import check_guides
-from frontend.planning.logprobs import check_logprobs_meaning
+from frontend.planning.logprob_rules import check_logprobs_meaning
 from frontend.planning.sampling import check_top_k, engine_sampling
 from frontend.planning.structured import extension_guide
 

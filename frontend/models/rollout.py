@@ -35,7 +35,7 @@ from typing import Any, Awaitable, Callable, Protocol, TypeVar
 from tritonclient.utils import InferenceServerException
 
 from build_engine import model_store
-from frontend.openai.errors import OpenAIError, invalid_request
+from frontend.api_types.errors import OpenAIError, invalid_request
 from frontend.models.registry import READY, ModelContext, ModelRegistry
 from frontend.generation.triton_engine import TritonEngine, client_message
 

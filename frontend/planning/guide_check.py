@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from frontend.generation.engine import Guide
-from frontend.openai.errors import invalid_request, too_many_requests
+from frontend.api_types.errors import invalid_request, too_many_requests
 from frontend.planning.guide_budget import NewGuideBudget
 from frontend.planning.sampling import is_trtllm
 from frontend.planning.structured import refuse_unguided

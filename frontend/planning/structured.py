@@ -22,8 +22,8 @@ from typing import Any
 import jsonschema
 
 from frontend.generation.engine import Guide
-from frontend.openai.errors import invalid_request
-from frontend.openai.schemas import ChatCompletionRequest, GuidedFields, NamedToolChoice, ToolDefinition
+from frontend.api_types.errors import invalid_request
+from frontend.api_types.schemas import ChatCompletionRequest, GuidedFields, NamedToolChoice, ToolDefinition
 
 MAX_GUIDE_BYTES = 100_000  # every guide (schema, regex, grammar) is compiled (frontend, engine): bounded input
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

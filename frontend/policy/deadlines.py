@@ -16,7 +16,7 @@ from typing import Awaitable, TypeVar
 
 import anyio
 
-from frontend.openai.errors import OpenAIError, request_timeout, service_unavailable
+from frontend.api_types.errors import OpenAIError, request_timeout, service_unavailable
 
 T = TypeVar("T")
 

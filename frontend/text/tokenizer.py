@@ -11,7 +11,7 @@ import tokenizers
 from transformers import AutoTokenizer
 
 from frontend.text.detokenizer import IncrementalDetokenizer
-from frontend.openai.errors import invalid_request
+from frontend.api_types.errors import invalid_request
 from frontend.text.token_bytes import TokenBytes, build_token_bytes
 
 

@@ -8,7 +8,7 @@ import itertools
 import logging
 from typing import Any, Awaitable, Callable
 
-from frontend.openai.errors import service_unavailable
+from frontend.api_types.errors import service_unavailable
 from frontend.policy.admission import (Admitted, NeverFits, Rejected, TokenDemand, TokenReservation,
                                        tokens_to_reserve)
 from frontend.workers.wire import Message, receive, send

@@ -17,7 +17,7 @@ to the session's Triton (tests/integration/conftest.py) and to the session's rea
   - open, in both frontends, reasoning sealed under the target's shared reasoning key file (what one
     process's `encrypted_content` must be to open in another: the Codex CLI sends it back every turn), and
     refuse what another key sealed. The targets run no reasoning parser, so no frontend seals reasoning of
-    its own here: the test seals it with frontend.responses.sealing under the key it put in the declared file,
+    its own here: the test seals it with frontend.responses_api.sealing under the key it put in the declared file,
     and both frontends, each reading that file as its uid, must open it (a per-process key would refuse it).
 
 What only exists where the target runs is substituted, each in SUBSTITUTIONS below and nowhere else: the
@@ -50,7 +50,7 @@ import httpx
 import pytest
 
 from benchmarks.servers import repository_parameter, stop_process, wait_http_ok
-from frontend.responses.sealing import ReasoningSeal
+from frontend.responses_api.sealing import ReasoningSeal
 from launcher.ports import find_free_port
 from tests.integration.conftest import Stack
 from tests.unit.test_kubernetes_manifests import container, render, server_pod

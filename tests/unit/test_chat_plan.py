@@ -15,9 +15,9 @@ from fastapi.testclient import TestClient
 
 from frontend.http.app import create_app
 from frontend.planning.chat_plan import ChatPlan
-from frontend.openai.errors import OpenAIError
+from frontend.api_types.errors import OpenAIError
 from frontend.models.registry import ModelContext
-from frontend.openai.schemas import ChatCompletionRequest
+from frontend.api_types.schemas import ChatCompletionRequest
 from frontend.settings import Settings
 from tests.unit.test_serving import TOKENIZER, ByteTokenizer, FakeEngine, tokens_of
 

@@ -15,8 +15,8 @@ from tritonclient.utils import InferenceServerException
 
 from frontend.generation import triton_engine
 from frontend.generation.engine import EngineRequest, SamplingOptions
-from frontend.openai.errors import OpenAIError, install_error_handlers
-from frontend.openai.schemas import (INT32_MAX, MAX_JSON_DEPTH, ChatCompletionRequest, ChatMessage, CompletionRequest,
+from frontend.api_types.errors import OpenAIError, install_error_handlers
+from frontend.api_types.schemas import (INT32_MAX, MAX_JSON_DEPTH, ChatCompletionRequest, ChatMessage, CompletionRequest,
                               DetokenizeRequest, TokenizeRequest, check_client_json)
 from frontend.generation.triton_engine import TritonEngine, build_inputs, client_message, is_client_error
 

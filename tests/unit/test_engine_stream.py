@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 from frontend.generation import triton_engine
 from frontend.generation.engine import BufferBudget, EngineRequest, SamplingOptions, TokenChunk
 from frontend.generation.triton_engine import TritonEngine
-from frontend.openai.errors import OpenAIError
+from frontend.api_types.errors import OpenAIError
 from tests.unit.test_triton_engine import Result
 
 END, CANCELLED = object(), object()

@@ -20,7 +20,7 @@ from frontend.policy.admission import (AdmissionGate, NeverFits, RateLimiter, Re
                                 tokens_to_charge, tokens_to_reserve)
 from frontend.policy.auth import KeyStore, bearer_token
 from frontend.policy.deadlines import Deadline, Deadlines
-from frontend.openai.errors import OpenAIError, install_error_handlers
+from frontend.api_types.errors import OpenAIError, install_error_handlers
 from frontend.http.middleware import Edge, EdgeMiddleware, route_label
 from frontend.generation.serving import UsageCounter
 from frontend.settings import Settings

@@ -16,11 +16,11 @@ from fastapi.testclient import TestClient
 
 from frontend.http import json_body, routes
 
-from frontend.openai import schemas
-from frontend.openai.errors import OpenAIError, install_error_handlers
+from frontend.api_types import schemas
+from frontend.api_types.errors import OpenAIError, install_error_handlers
 from frontend.http.middleware import Edge, EdgeMiddleware
 from frontend.models.registry import ModelContext
-from frontend.openai.schemas import raw_prompts
+from frontend.api_types.schemas import raw_prompts
 from frontend.settings import Settings
 
 CONTEXT_LENGTH = 512

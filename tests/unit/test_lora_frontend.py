@@ -15,7 +15,7 @@ from frontend.models.adapters import (AdapterSet, AdapterSpec, parse_lora_module
                                       task_id_of)
 from frontend.models.lora import AdapterError, LoraTensors
 from frontend.observability.metrics import Metrics
-from frontend.openai.errors import engine_error
+from frontend.api_types.errors import engine_error
 
 
 def test_lora_modules_take_vllms_two_forms() -> None:

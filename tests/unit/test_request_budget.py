@@ -14,7 +14,7 @@ import pytest
 
 from frontend.http.app import create_app
 from frontend.generation.engine import EngineRequest, TokenChunk
-from frontend.openai.errors import engine_error
+from frontend.api_types.errors import engine_error
 from frontend.models.registry import ModelContext
 from frontend.settings import Settings
 from tests.unit.test_chat_plan import MESSAGES, MODEL, THINKING_TOKENIZER, LeasedFakeEngine, OneModel

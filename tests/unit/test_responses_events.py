@@ -13,10 +13,10 @@ from pydantic import TypeAdapter
 
 from frontend.generation.serving import TextDelta, TokenInfo
 from frontend.parsing.tool_parsers import ToolCallDelta
-from frontend.responses import events
-from frontend.responses.objects import message_item, output_text_part, request_echo, response_object, usage_object
-from frontend.responses.output import OutputAssembler
-from frontend.responses.request import ResponsesRequest
+from frontend.responses_api import events
+from frontend.responses_api.objects import message_item, output_text_part, request_echo, response_object, usage_object
+from frontend.responses_api.output import OutputAssembler
+from frontend.responses_api.request import ResponsesRequest
 
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 

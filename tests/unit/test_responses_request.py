@@ -12,10 +12,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openai.types.responses import Response
 
-from frontend.openai.errors import OpenAIError, install_error_handlers
-from frontend.responses.objects import request_echo, response_object
-from frontend.responses.request import MAX_INPUT_ITEMS, ResponsesRequest
-from frontend.responses.service import chat_request
+from frontend.api_types.errors import OpenAIError, install_error_handlers
+from frontend.responses_api.objects import request_echo, response_object
+from frontend.responses_api.request import MAX_INPUT_ITEMS, ResponsesRequest
+from frontend.responses_api.service import chat_request
 
 
 @pytest.fixture(scope="module")

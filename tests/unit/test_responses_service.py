@@ -13,13 +13,13 @@ import anyio
 import pytest
 
 from frontend.generation.serving import TextDelta, UsageCounter
-from frontend.openai.errors import OpenAIError
-from frontend.responses.request import ResponsesRequest
-from frontend.responses.run import ResponseRun
-from frontend.responses.service import LazyStore, ResponsesService, database_url, store_description
+from frontend.api_types.errors import OpenAIError
+from frontend.responses_api.request import ResponsesRequest
+from frontend.responses_api.run import ResponseRun
+from frontend.responses_api.service import LazyStore, ResponsesService, database_url, store_description
 from frontend.settings import Settings
 from tests.conftest import PostgreSQLServer
-from frontend.responses.store import ResponseStore
+from frontend.responses_api.store import ResponseStore
 
 class ScriptedGeneration:
     """The serving layer's Generation as the run uses it: deltas, then (optionally) a wait that only a

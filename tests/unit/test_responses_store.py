@@ -1,4 +1,4 @@
-"""The stored responses of /v1/responses (frontend/responses/store.py), against both backends.
+"""The stored responses of /v1/responses (frontend/responses_api/store.py), against both backends.
 
 Every test runs on a SQLite file and on a real PostgreSQL database (tests/conftest.py starts the server;
 each test gets a fresh database). Time is an injected clock, never a sleep; "several workers" are several
@@ -20,7 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from frontend.responses.store import (MAX_CHAIN_LENGTH, MIGRATIONS, SCHEMA_VERSION, STALE_ERROR, ChainTooLong,
+from frontend.responses_api.store import (MAX_CHAIN_LENGTH, MIGRATIONS, SCHEMA_VERSION, STALE_ERROR, ChainTooLong,
                                       ResponseStore, ResponseTooLarge, StoredResponse, _dumps, json_size,
                                       normalize_url)
 
@@ -429,7 +429,7 @@ async def test_concurrent_writers_on_one_database_all_land(open_store: StoreFact
 async def test_another_process_cancels_what_this_one_runs(store: ResponseStore, db_url: str) -> None:
     await store.create(record(status="in_progress"))
     script = ("import asyncio, sys\n"
-              "from frontend.responses.store import ResponseStore\n"
+              "from frontend.responses_api.store import ResponseStore\n"
               "async def main():\n"
               "    store = await ResponseStore.open(sys.argv[1], clock=lambda: 1_800_000_000)\n"
               "    cancelled = await store.request_cancel('alice', 'resp_1')\n"

@@ -16,14 +16,14 @@ from openai.types.responses.response_stream_event import ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from frontend.generation.serving import TextDelta
-from frontend.openai.errors import OpenAIError
+from frontend.api_types.errors import OpenAIError
 from frontend.parsing.tool_parsers import ToolCallDelta
-from frontend.responses import events
-from frontend.responses.conversation import conversation_messages, stored_item
-from frontend.responses.objects import request_echo, response_object
-from frontend.responses.output import OutputAssembler
-from frontend.responses.request import ResponsesRequest
-from frontend.responses.sealing import ReasoningSeal
+from frontend.responses_api import events
+from frontend.responses_api.conversation import conversation_messages, stored_item
+from frontend.responses_api.objects import request_echo, response_object
+from frontend.responses_api.output import OutputAssembler
+from frontend.responses_api.request import ResponsesRequest
+from frontend.responses_api.sealing import ReasoningSeal
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 TOOLS = [{"type": "function", "name": "exec_command", "parameters": {"type": "object"}},
@@ -139,7 +139,7 @@ def test_a_local_shell_call_is_an_exec_action_the_client_runs_and_sends_back() -
 
 
 def test_without_keys_the_workers_of_a_sqlite_database_share_one_made_once(tmp_path, monkeypatch) -> None:
-    from frontend.responses.sealing import AUTO_KEY_FILE, reasoning_seal
+    from frontend.responses_api.sealing import AUTO_KEY_FILE, reasoning_seal
     from frontend.settings import Settings
 
     for name in ("RESPONSES_REASONING_KEYS", "RESPONSES_REASONING_KEYS_FILE"):

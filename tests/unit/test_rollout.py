@@ -11,7 +11,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from build_engine import model_store
-from frontend.openai.errors import OpenAIError, service_unavailable
+from frontend.api_types.errors import OpenAIError, service_unavailable
 from frontend.models.registry import ModelContext, ModelRegistry, VersionEngine
 from frontend.models.rollout import FleetMember, Rollouts
 from frontend.settings import Settings

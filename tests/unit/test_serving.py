@@ -13,10 +13,10 @@ import pytest
 
 from frontend.text.detokenizer import IncrementalDetokenizer
 from frontend.generation.engine import EngineMetadata, EngineRequest, SamplingOptions, TokenChunk
-from frontend.openai.errors import OpenAIError, engine_error
+from frontend.api_types.errors import OpenAIError, engine_error
 from frontend.http.renderers import ChatRenderer, CompletionRenderer
 from frontend.http.generation_response import GenerationResponse
-from frontend.openai.schemas import CompletionRequest
+from frontend.api_types.schemas import CompletionRequest
 from frontend.parsing.reasoning import REASONING_PARSERS
 from frontend.generation.serving import (AnswerParsing, ChoiceJob, Generation, GenerationLimits, UsageCounter, choice_jobs,
                              generate_choice)

@@ -9,8 +9,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from frontend.openai.errors import OpenAIError
-from frontend.openai.schemas import ChatCompletionRequest, CompletionRequest
+from frontend.api_types.errors import OpenAIError
+from frontend.api_types.schemas import ChatCompletionRequest, CompletionRequest
 from frontend.planning.structured import chat_guide, extension_guide
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

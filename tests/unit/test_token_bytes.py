@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from build_engine.demo_checkpoint import EOS_TOKEN, ensure_demo_checkpoint
-from frontend.http.logprobs import chat_logprobs
+from frontend.http.logprob_rendering import chat_logprobs
 from frontend.generation.serving import TokenInfo
 from frontend.text.token_bytes import (BYTE_LEVEL, DECODE, PLAIN, SENTENCEPIECE, apply_plan, build_token_bytes,
                                   bytes_to_unicode, plan_decoder)

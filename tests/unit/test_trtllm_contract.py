@@ -18,12 +18,12 @@ from build_engine.render import render_repository
 from build_engine.values import repository_values
 from tests.trtllm_contract import rules
 from tests.trtllm_contract.double import REPO_ROOT, add_contract_double, contract_config
-# The sampler rules' frontend side (frontend/planning/logprobs.py, the queue-full mapping, the metadata field).
+# The sampler rules' frontend side (frontend/planning/logprob_rules.py, the queue-full mapping, the metadata field).
 from frontend.generation.engine import SamplingOptions
 from frontend.generation.triton_engine import TritonEngine, build_inputs, error_for, requested_outputs
-from frontend.openai.errors import OpenAIError
-from frontend.openai.schemas import SamplingFields
-from frontend.planning.logprobs import check_logprobs_meaning, logprobs_meaning_problems
+from frontend.api_types.errors import OpenAIError
+from frontend.api_types.schemas import SamplingFields
+from frontend.planning.logprob_rules import check_logprobs_meaning, logprobs_meaning_problems
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
 TEMPLATE_DIR = REPO_ROOT / "model_repository"
@@ -557,7 +557,7 @@ REQUESTS = [{"temperature": 0}, {"temperature": 1.0}, {"temperature": 1.0, "top_
 @pytest.mark.parametrize(("log_probs", "normalize"), [("sampling", False), ("top_k_normalized", True)])
 def test_the_frontend_refuses_exactly_the_log_probs_tensorrt_llm_reports_otherwise(
         fields: dict[str, Any], log_probs: str, normalize: bool) -> None:
-    """frontend/planning/logprobs.py against the engine side of the rule: through build_inputs, a request it lets
+    """frontend/planning/logprob_rules.py against the engine side of the rule: through build_inputs, a request it lets
     through gets the model's own log-probs from TensorRT-LLM (what the CPU engine reports), and one it refuses
     would not. On the CPU engine ("model") nothing is refused."""
     req = openai_request(**fields)

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any
 
-from frontend.responses.request import FunctionToolChoice, ResponsesRequest
+from frontend.responses_api.request import FunctionToolChoice, ResponsesRequest
 
 TERMINAL_STATUSES = ("completed", "incomplete", "failed", "cancelled")
 

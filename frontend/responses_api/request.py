@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from frontend.openai.errors import invalid_request
-from frontend.openai.schemas import (INT32_MAX, SEED_LIMIT, ClientRequest, ClientStr, Fp32, RequestModel,
+from frontend.api_types.errors import invalid_request
+from frontend.api_types.schemas import (INT32_MAX, SEED_LIMIT, ClientRequest, ClientStr, Fp32, RequestModel,
                                      client_error_path)
 
 MAX_INPUT_ITEMS = 1024  # items in one request's `input`
@@ -142,7 +142,7 @@ class ReasoningText(RequestModel):
 
 class ReasoningItem(RequestModel):
     """Reasoning of an earlier turn: in the clear (`content`), or as this server sealed it (`encrypted_content`,
-    include `reasoning.encrypted_content`), opened again before the prompt is rendered (frontend/responses/
+    include `reasoning.encrypted_content`), opened again before the prompt is rendered (frontend/responses_api/
     sealing.py)."""
 
     type: Literal["reasoning"]

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler,
                       field_validator, model_serializer, model_validator)
 
-from frontend.openai.errors import invalid_request
+from frontend.api_types.errors import invalid_request
 
 
 # Bounds of the engine's tensor types (the TensorRT-LLM tensor interface): a value past them would make

@@ -4,7 +4,7 @@ what is stored of it.
 The same run serves every mode: a foreground response (streamed or not) is stored once, when it ends and
 before its last event or its body is sent, so that a client that chains `previous_response_id` on the
 answer it just got always finds it; a background response is stored when queued and updated as it goes
-(frontend/responses/service.py). However the generation ends (done, failed, cancelled, its client gone),
+(frontend/responses_api/service.py). However the generation ends (done, failed, cancelled, its client gone),
 the run's object says so and that is what is stored.
 """
 
@@ -17,13 +17,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import anyio
 
 from frontend.generation.serving import Generation, UsageCounter
-from frontend.openai.errors import OpenAIError
-from frontend.responses import events
-from frontend.responses.events import Event
-from frontend.responses.objects import TERMINAL_STATUSES, error_object, response_object, usage_object
-from frontend.responses.output import OutputAssembler, TokenStrings
-from frontend.responses.request import ResponsesRequest
-from frontend.responses.store import ResponseStore, ResponseTooLarge, StoredResponse
+from frontend.api_types.errors import OpenAIError
+from frontend.responses_api import events
+from frontend.responses_api.events import Event
+from frontend.responses_api.objects import TERMINAL_STATUSES, error_object, response_object, usage_object
+from frontend.responses_api.output import OutputAssembler, TokenStrings
+from frontend.responses_api.request import ResponsesRequest
+from frontend.responses_api.store import ResponseStore, ResponseTooLarge, StoredResponse
 
 log = logging.getLogger("frontend")
 

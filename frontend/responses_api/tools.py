@@ -19,9 +19,9 @@ from typing import Any
 
 import xgrammar
 
-from frontend.openai.errors import invalid_request
-from frontend.openai.schemas import FunctionDefinition, NamedFunction, NamedToolChoice, ToolDefinition
-from frontend.responses.request import NAMESPACE_SEPARATOR, CustomTool, OfferedTool, ResponsesRequest
+from frontend.api_types.errors import invalid_request
+from frontend.api_types.schemas import FunctionDefinition, NamedFunction, NamedToolChoice, ToolDefinition
+from frontend.responses_api.request import NAMESPACE_SEPARATOR, CustomTool, OfferedTool, ResponsesRequest
 
 CUSTOM_INPUT = "input"  # the one argument of a custom tool, as the model sees it
 

@@ -31,17 +31,17 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError
 
 from frontend.generation.serving import Generation
-from frontend.openai.errors import OpenAIError, invalid_request
-from frontend.openai.schemas import ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat
-from frontend.responses.conversation import conversation_messages, stored_item
-from frontend.responses import events
-from frontend.responses.events import Event
-from frontend.responses.objects import TERMINAL_STATUSES, deleted_object, item_list, new_id, now, request_echo
-from frontend.responses.output import TokenStrings
-from frontend.responses.request import ResponsesRequest
-from frontend.responses.run import Prepared, ResponseRun
-from frontend.responses.store import ChainTooLong, ResponseStore, ResponseTooLarge, StoredResponse, json_size
-from frontend.responses.tools import chat_tools
+from frontend.api_types.errors import OpenAIError, invalid_request
+from frontend.api_types.schemas import ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat
+from frontend.responses_api.conversation import conversation_messages, stored_item
+from frontend.responses_api import events
+from frontend.responses_api.events import Event
+from frontend.responses_api.objects import TERMINAL_STATUSES, deleted_object, item_list, new_id, now, request_echo
+from frontend.responses_api.output import TokenStrings
+from frontend.responses_api.request import ResponsesRequest
+from frontend.responses_api.run import Prepared, ResponseRun
+from frontend.responses_api.store import ChainTooLong, ResponseStore, ResponseTooLarge, StoredResponse, json_size
+from frontend.responses_api.tools import chat_tools
 from frontend.settings import Settings
 
 log = logging.getLogger("frontend")
@@ -94,7 +94,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
         return ChatCompletionRequest(
             model=req.model,
             messages=[ChatMessage(role="user", content="")],  # rendered from `messages` (the template input)
-            **chat_tools(req),  # tools, tool_choice (and a forced custom tool's regex): frontend/responses/tools.py
+            **chat_tools(req),  # tools, tool_choice (and a forced custom tool's regex): frontend/responses_api/tools.py
             parallel_tool_calls=req.parallel_tool_calls,
             response_format=response_format,
             max_completion_tokens=req.max_output_tokens,

@@ -10,7 +10,7 @@ token-identical to the chat one and the engine's prefix cache finds the previous
   assistant message with no content when it follows anything else;
 - `function_call_output` -> a `tool` message answering its `call_id`;
 - `custom_tool_call` / `_output` -> the same, the call's input as the one argument of the function the
-  model was offered, a namespaced call under its `<namespace>__<name>` (frontend/responses/tools.py);
+  model was offered, a namespaced call under its `<namespace>__<name>` (frontend/responses_api/tools.py);
 - `local_shell_call` / `_output` -> a call of the `local_shell` function with the action's fields, and its
   output (whose `id` is the call's);
 - `reasoning` -> the `reasoning_content` of the assistant message that follows it (templates that render
@@ -24,15 +24,15 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable, TypeVar
 
-from frontend.openai.errors import OpenAIError, invalid_request
-from frontend.openai.schemas import ChatMessage, FunctionCallIn, ToolCallIn
-from frontend.responses.objects import (custom_tool_call_item, function_call_item, function_call_output_item,
+from frontend.api_types.errors import OpenAIError, invalid_request
+from frontend.api_types.schemas import ChatMessage, FunctionCallIn, ToolCallIn
+from frontend.responses_api.objects import (custom_tool_call_item, function_call_item, function_call_output_item,
                                         local_shell_call_item, local_shell_call_output_item, message_item, new_id,
                                         output_text_part, reasoning_item)
-from frontend.responses.request import (LOCAL_SHELL, CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem,
+from frontend.responses_api.request import (LOCAL_SHELL, CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem,
                                         LocalShellCallItem, LocalShellCallOutputItem, MessageItem, ReasoningItem,
                                         TextPart)
-from frontend.responses.tools import custom_arguments, model_name, shell_arguments
+from frontend.responses_api.tools import custom_arguments, model_name, shell_arguments
 
 Item = (MessageItem | FunctionCallItem | CustomToolCallItem | FunctionCallOutputItem | LocalShellCallItem
         | LocalShellCallOutputItem | ReasoningItem)
@@ -96,7 +96,7 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None,
             if kind == "function_call":
                 arguments = item["arguments"]
                 _arguments_object(arguments, f"{param}.arguments")
-            elif kind == "custom_tool_call":  # offered as a function of one string argument (responses/tools.py)
+            elif kind == "custom_tool_call":  # offered as a function of one string argument (responses_api/tools.py)
                 arguments = custom_arguments(item["input"])
             else:
                 arguments = shell_arguments(item["action"])

@@ -24,7 +24,7 @@ from pathlib import Path
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from sqlalchemy.engine import make_url
 
-from frontend.openai.errors import OpenAIError
+from frontend.api_types.errors import OpenAIError
 from frontend.settings import Settings
 
 log = logging.getLogger("frontend")

@@ -9,7 +9,7 @@ reasoning -> `reasoning`, text -> `message` (one `output_text` part), each tool 
 (with its `namespace` for a namespaced function), or `custom_tool_call` for a custom tool (its input streamed
 as `response.custom_tool_call_input.*`); with a custom tool forced, the text is that call's input.
 With include `reasoning.encrypted_content`, each finished reasoning item also carries its text sealed
-(`seal`, frontend/responses/sealing.py).
+(`seal`, frontend/responses_api/sealing.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from frontend.generation.serving import TextDelta, TokenInfo
-from frontend.responses import events
-from frontend.responses.events import Event
-from frontend.responses.objects import (custom_tool_call_item, function_call_item, local_shell_call_item,
+from frontend.responses_api import events
+from frontend.responses_api.events import Event
+from frontend.responses_api.objects import (custom_tool_call_item, function_call_item, local_shell_call_item,
                                         message_item, new_id, output_text_part, reasoning_item)
-from frontend.responses.request import OfferedTool
-from frontend.responses.tools import custom_input, shell_action
+from frontend.responses_api.request import OfferedTool
+from frontend.responses_api.tools import custom_input, shell_action
 
 
 class TokenStrings(Protocol):

@@ -9,7 +9,7 @@ Order, per output item: `response.output_item.added`, then for a message `respon
 `response.output_text.delta` …, `response.output_text.done`, `response.content_part.done`; for reasoning
 the same with `response.reasoning_text.*`; for a function call `response.function_call_arguments.delta` …
 and `.done`, for a custom tool's call `response.custom_tool_call_input.delta` … and `.done`; then
-`response.output_item.done` (frontend/responses/output.py drives this order).
+`response.output_item.done` (frontend/responses_api/output.py drives this order).
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from frontend.generation.serving import Generation
-from frontend.openai.errors import OpenAIError
-from frontend.responses.events import Event, sse_frame
-from frontend.responses.run import ResponseRun
+from frontend.api_types.errors import OpenAIError
+from frontend.responses_api.events import Event, sse_frame
+from frontend.responses_api.run import ResponseRun
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]

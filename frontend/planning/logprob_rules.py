@@ -12,8 +12,8 @@ engine side of the same rule).
 
 from __future__ import annotations
 
-from frontend.openai.errors import invalid_request
-from frontend.openai.schemas import SamplingFields
+from frontend.api_types.errors import invalid_request
+from frontend.api_types.schemas import SamplingFields
 
 
 def logprobs_meaning_problems(req: SamplingFields, log_probs: str) -> list[str]:
