@@ -9,7 +9,7 @@ stays open, requests in flight get `shutdown_grace_s` to finish, the rest are ca
 an error event and [DONE]), then uvicorn stops. A second signal stops at once. SIGHUP reloads API_KEYS_FILE.
 
 FRONTEND_WORKERS=N (N > 1) runs N worker processes on the one port, each the server above, under a supervisor
-(frontend/supervisor.py) that shares the limits and rollouts among them, passes signals on and
+(frontend/workers/supervisor.py) that shares the limits and rollouts among them, passes signals on and
 restarts a worker that dies.
 """
 
@@ -54,8 +54,8 @@ def main() -> None:
     # Imported here, each only where it runs: the supervisor's process never loads the app (tokenizers,
     # xgrammar and torch: hundreds of MB), only each worker does.
     if settings.frontend_workers > 1:
-        from frontend import supervisor
-        sys.exit(supervisor.serve(settings, sys.argv[1:]))
+        from frontend.workers import supervisor
+        sys.exit(supervisor.serve(settings, sys.argv[1:], app="frontend.server:run"))
     from frontend import server
     server.run(settings)
 

@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     frontend_host: str = Field("127.0.0.1", description="address to bind")
     frontend_port: int = Field(9000, description="port to bind")
     frontend_workers: int = Field(
-        1, ge=1, le=64, description="worker processes serving the port (frontend/supervisor.py): admission, rate "
+        1, ge=1, le=64, description="worker processes serving the port (frontend/workers/supervisor.py): admission, rate "
                                     "limits, rollouts and /metrics stay the whole server's; more workers relay "
                                     "more tokens per second (one relays a few thousand); `make serve` picks one per "
                                     "core up to 8 for TensorRT-LLM engines, 1 for the CPU engine")

@@ -11,7 +11,7 @@ key matched nor on which key it was. Keys are never logged; requests are attribu
 the first 12 hex digits (48 bits) of HMAC-SHA256 of the key's digest, keyed by a random salt drawn at
 process start. Salted, because an unsalted hash prefix in a log is a fast offline test of a guessed or
 leaked key; per server, because nobody has to manage it: the id is stable for the life of the process (and
-of its sibling workers, which get the supervisor's salt: frontend/supervisor.py), enough to group one key's
+of its sibling workers, which get the supervisor's salt: frontend/workers/supervisor.py), enough to group one key's
 requests and to key its rate limits, and changes on restart. What must outlive a restart (the owner of a
 stored response) is `owner_of`: a digest of the key's digest, never logged.
 The file (one key per line, blank lines and `#` comments ignored) is re-read by `reload()` (on SIGHUP);

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 FRONTEND = Path(__file__).resolve().parents[2] / "frontend"
-# Top first. `frontend/__main__.py`, the process modules (supervisor, server) and the settings module sit where
-# their imports put them.
-LAYERS = ["__main__", "supervisor", "server", "http", "responses_api", "workers", "planning", "models", "settings", "generation", "parsing", "text",
+# Top first. `frontend/__main__.py`, the server module and the settings module sit where their imports put them.
+LAYERS = ["__main__", "server", "http", "responses_api", "workers", "planning", "models", "settings", "generation", "parsing", "text",
           "policy", "observability", "api_types"]
 # Beside each other, never importing each other: the same rank.
 RANK = {name: index for index, name in enumerate(LAYERS)}

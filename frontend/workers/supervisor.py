@@ -6,7 +6,7 @@ vLLM's `--api-server-count` and trtllm-serve's post-processing workers do. This 
 
 - binds the listening socket once and hands it to every worker (the kernel spreads connections over the
   workers accepting on it; a connection waiting in the backlog is not lost when a worker dies);
-- runs the coordinator (frontend/workers/coordinator.py): admission, rate limits and rollouts for the whole
+- runs the coordinator (coordinator.py beside it): admission, rate limits and rollouts for the whole
   server, over a Unix socket in a directory only this user can enter;
 - gives the workers one Prometheus multiprocess directory, so that any worker's GET /metrics is the sum of
   all of them (prometheus-client's multiprocess mode);
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import importlib
 import logging
 import multiprocessing
 import os
@@ -45,7 +46,7 @@ from frontend.policy import auth
 from frontend.settings import Settings
 from frontend.workers.coordinator import Coordinator
 
-log = logging.getLogger("frontend.supervisor")
+log = logging.getLogger("frontend.workers.supervisor")
 
 MAX_RESTARTS_PER_MINUTE = 5
 RESTART_DELAY_S = 0.5  # between a worker's death and its replacement: a crash loop must not spin
@@ -61,22 +62,27 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def worker_main(argv: list[str], listener: socket.socket, coordinator: str, parent: int, key_id_salt: bytes) -> None:
+def worker_main(app: str, argv: list[str], listener: socket.socket, coordinator: str, parent: int,
+                key_id_salt: bytes) -> None:
     """A worker process (spawned, so a fresh interpreter: PROMETHEUS_MULTIPROC_DIR is set before any import
-    of prometheus_client): the one-process server, on the shared socket, with the coordinator's limits and
-    the supervisor's key-id salt (one id per key server-wide: the rate limits are keyed by it)."""
+    of prometheus_client): `app`, the one-process server, on the shared socket, with the coordinator's limits
+    and the supervisor's key-id salt (one id per key server-wide: the rate limits are keyed by it).
+
+    `app` is a "module:function" name, imported here, in the worker only: the supervisor's process never loads
+    the app (tokenizers, xgrammar and torch: hundreds of MB), and this package does not depend on the server
+    it runs (frontend/__main__.py names it). The function is called as (settings, coordinator, [listener])."""
     _die_with(parent)
     auth.use_key_id_salt(key_id_salt)
     settings = Settings(_cli_parse_args=argv)
     configure_logging(settings.log_level, settings.access_log)
-    from frontend import server  # the app: in the workers only (frontend/__main__.py main())
-
-    server.run(settings, coordinator, [listener])
+    module, _, function = app.partition(":")
+    getattr(importlib.import_module(module), function)(settings, coordinator, [listener])
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, argv: list[str], listener: socket.socket, run_dir: Path):
+    def __init__(self, settings: Settings, argv: list[str], listener: socket.socket, run_dir: Path, app: str):
         self.settings = settings
+        self.app = app
         self.argv = argv
         self.listener = listener
         self.coordinator_path = str(run_dir / "coordinator.sock")
@@ -106,7 +112,7 @@ class Supervisor:
         if self._stopping:
             return
         process = self._context.Process(target=worker_main, name=f"frontend-worker-{index}",
-                                        args=(self.argv, self.listener, self.coordinator_path, os.getpid(),
+                                        args=(self.app, self.argv, self.listener, self.coordinator_path, os.getpid(),
                                               auth.key_id_salt()))
         process.start()
         self._workers[index] = process
@@ -153,8 +159,9 @@ class Supervisor:
             self._done.set()
 
 
-def serve(settings: Settings, argv: list[str]) -> int:
-    """Run `settings.frontend_workers` workers until they are stopped; the exit status."""
+def serve(settings: Settings, argv: list[str], app: str) -> int:
+    """Run `settings.frontend_workers` workers of `app` ("module:function", `worker_main`) until they are
+    stopped; the exit status."""
     # uvicorn's own binding (address families, SO_REUSEADDR), as one server process binds.
     listener = uvicorn.Config(None, host=settings.frontend_host, port=settings.frontend_port).bind_socket()  # type: ignore[arg-type]
     run_dir = Path(tempfile.mkdtemp(prefix="frontend-"))  # mode 0700: only this user reaches the coordinator
@@ -162,7 +169,7 @@ def serve(settings: Settings, argv: list[str]) -> int:
     metrics_dir.mkdir()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the workers, never read here
     try:
-        return asyncio.run(Supervisor(settings, argv, listener, run_dir).run())
+        return asyncio.run(Supervisor(settings, argv, listener, run_dir, app).run())
     finally:
         listener.close()
         shutil.rmtree(run_dir, ignore_errors=True)
