@@ -84,8 +84,9 @@ $(BUILD)/codex/.installed-$(CODEX_VERSION):
 		@openai/codex@$(CODEX_VERSION) && touch $@
 
 # 32 concurrent streams for 3 minutes (SOAK_SECONDS to change): zero errors, frontend RSS flat; prints figures.
+# Also a 30k-token prompt through the long-context engine (tests/integration/test_codex_cli.py, marked slow).
 soak: install
-	$(PY) -m pytest -q -s -m slow tests/integration/test_soak.py
+	$(PY) -m pytest -q -s -m slow tests/integration/test_soak.py tests/integration/test_codex_cli.py
 
 # Load tests (benchmarks/README.md): raw Triton vs the frontend vs the naive baseline, same workload;
 # results in benchmarks/results/<date>[-quick]/. QUICK=1: the short workload (under 2 minutes).

@@ -152,6 +152,7 @@ def test_codex_exec_runs_a_turn_and_resumes_it(stack: Stack, codex_binary: Path,
     assert messages == [stack.scripted.demo.text], printed
 
 
+@pytest.mark.slow  # about a minute of prefill on two cores: `make soak` runs it, `make test` does not
 def test_a_30k_token_prompt_is_served(long_url: str) -> None:
     """What a coding agent's first request costs here: a 30k-token prompt (words no cache holds), one token out."""
     rng = random.Random(30)
