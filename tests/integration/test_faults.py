@@ -1,5 +1,5 @@
 """Triton dying under load (kill -9 while 8 streams run): every open stream ends with an error event then
-[DONE] promptly (well before it could have ended by itself), readiness turns 503, new requests get 503, and
+[DONE] (none of them finished: each ended by the failure, never hanging), readiness turns 503, new requests get 503, and
 the frontend serves again once Triton is back, without a restart.
 
 Triton serves a slow test copy of the engine model only (>= 50 ms a step: engine_knobs.py), so that the streams
@@ -57,11 +57,11 @@ async def test_triton_killed_mid_stream_then_restarted(built_engine: Path, tmp_p
                        for e in events]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
             os.killpg(first.pid, signal.SIGKILL)
-            killed = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*streams), 60)
-            for payloads, ended in results:
-                assert ended - killed < 15  # generous, and far from the >= 22.5 s each stream would have taken
+            results = await asyncio.wait_for(asyncio.gather(*streams), 60)  # a hang guard, not a timing
+            for payloads, _ in results:
                 assert payloads[-1] == "[DONE]"
+                # ended by the failure, not by itself: no choice finished (450 tokens take >= 22 s)
+                assert not [c for p in payloads[:-2] for c in json.loads(p)["choices"] if c["finish_reason"]], payloads
                 error = json.loads(payloads[-2])["error"]
                 assert error["code"] == "service_unavailable" and error["message"]
             deadline = time.monotonic() + 60
