@@ -74,7 +74,7 @@ async def _engine_mode(url: str, concurrency: int, requests: int, max_tokens: in
 def _sync_stream_mode(url: str, concurrency: int, requests: int, max_tokens: int) -> int:
     import tritonclient.grpc as grpcclient
 
-    from frontend.generation.triton_engine import _new_tokens, build_inputs, requested_outputs
+    from frontend.generation.trtllm_tensors import build_inputs, new_tokens, requested_outputs
 
     options = _options(max_tokens)
     outputs = [grpcclient.InferRequestedOutput(name) for name in requested_outputs(options)]
@@ -86,7 +86,7 @@ def _sync_stream_mode(url: str, concurrency: int, requests: int, max_tokens: int
         if error is not None:
             ended.put(error)
             return
-        tokens += len(_new_tokens(result))
+        tokens += len(new_tokens(result))
         if result.get_response().parameters["triton_final_response"].bool_param:
             ended.put(None)
 

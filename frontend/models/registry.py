@@ -44,7 +44,7 @@ from frontend.models.lora import AdapterError, BaseShapes
 
 log = logging.getLogger("frontend")
 
-# Triton's repository index states (frontend/generation/triton_engine.py TritonEngine.model_index).
+# Triton's repository index states (frontend/generation/triton_control.py TritonControl.model_index).
 READY, LOADING = "READY", "LOADING"
 # A request's 503, or a model name not in the last index, makes a request re-read Triton's index, at most this
 # often: a client retrying a mistyped model id gets 404s from the last index, not a repository scan each.

@@ -37,7 +37,8 @@ from tritonclient.utils import InferenceServerException
 from build_engine import model_store
 from frontend.api_types.errors import OpenAIError, invalid_request
 from frontend.models.registry import READY, ModelContext, ModelRegistry
-from frontend.generation.triton_engine import TritonEngine, client_message
+from frontend.generation.triton_engine import TritonEngine
+from frontend.generation.triton_errors import client_message
 
 log = logging.getLogger("frontend.models.rollout")
 

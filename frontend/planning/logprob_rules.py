@@ -19,7 +19,7 @@ from frontend.api_types.schemas import SamplingFields
 def logprobs_meaning_problems(req: SamplingFields, log_probs: str) -> list[str]:
     """The settings of `req` under which an engine whose log-probs are `log_probs` (EngineMetadata.log_probs)
     would not report the model's own log-probs; empty when it would. The settings are those the engine gets
-    (frontend/generation/triton_engine.py build_inputs: temperature 0 is temperature 1 with top_k 1)."""
+    (frontend/generation/trtllm_tensors.py build_inputs: temperature 0 is temperature 1 with top_k 1)."""
     if log_probs == "model":
         return []
     greedy = req.temperature == 0.0

@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from frontend.generation.engine import SamplingOptions
-from frontend.generation.triton_engine import build_inputs
+from frontend.generation.trtllm_tensors import build_inputs
 from tests.integration.conftest import (CONTRACT_MODEL, Stack, engine_is_idle, engine_settled, frontend_on,
                                         wait_engine, wait_until)
 from tests.trtllm_contract import rules

@@ -19,7 +19,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from frontend.generation.engine import Guide, SamplingOptions
-from frontend.generation.triton_engine import error_for
+from frontend.generation.triton_errors import error_for
 from tests.integration.conftest import CONTRACT_MODEL, Stack, read_stream
 from tests.integration.test_trtllm_contract import contract_url  # noqa: F401 (a fixture: this module's own frontend)
 from tests.integration.test_trtllm_guides import GrpcStream

@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from frontend.generation.engine import Guide, SamplingOptions
-from frontend.generation.triton_engine import build_inputs, requested_outputs
+from frontend.generation.trtllm_tensors import build_inputs, requested_outputs
 from tests.integration.conftest import CONTRACT_MODEL, Stack, read_stream
 from tests.integration.test_trtllm_contract import contract_url  # noqa: F401 (a fixture: this module's own frontend)
 from tests.trtllm_contract import rules

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from frontend.generation.engine import SamplingOptions
-from frontend.generation.triton_engine import build_inputs, requested_outputs
+from frontend.generation.trtllm_tensors import build_inputs, requested_outputs
 from tests.integration.conftest import CONTRACT_MODEL, Stack, engine_settled, frontend_on, wait_engine
 from tests.integration.test_triton_grpc import stream_once
 from tests.integration.test_trtllm_contract import contract_url, post  # noqa: F401 (a fixture)

@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from frontend.generation.engine import SamplingOptions
-from frontend.generation.triton_engine import stop_inputs
+from frontend.generation.trtllm_tensors import stop_inputs
 from tests.integration.conftest import (CONTRACT_MODEL, Stack, engine_is_idle, engine_metrics, frontend_on,
                                         wait_engine)
 from tests.integration.test_trtllm_guides import GrpcStream

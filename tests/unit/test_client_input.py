@@ -13,12 +13,14 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from tritonclient.utils import InferenceServerException
 
-from frontend.generation import triton_engine
+from frontend.generation import triton_errors
 from frontend.generation.engine import EngineRequest, SamplingOptions
 from frontend.api_types.errors import OpenAIError, install_error_handlers
 from frontend.api_types.schemas import (INT32_MAX, MAX_JSON_DEPTH, ChatCompletionRequest, ChatMessage, CompletionRequest,
                               DetokenizeRequest, TokenizeRequest, check_client_json)
-from frontend.generation.triton_engine import TritonEngine, build_inputs, client_message, is_client_error
+from frontend.generation.triton_engine import TritonEngine
+from frontend.generation.triton_errors import client_message, is_client_error
+from frontend.generation.trtllm_tensors import build_inputs
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
@@ -246,7 +248,7 @@ def test_triton_invalid_argument_status_is_a_client_error() -> None:
 def test_client_messages_carry_no_grpc_debug_details() -> None:
     text = client_message("bad thing\n debug_error_string = {created_time: ..., peer: ipv4:10.0.0.5:8001}")
     assert text == "bad thing" and "10.0.0.5" not in text
-    assert len(client_message("x" * 10_000)) <= triton_engine.MAX_ENGINE_MESSAGE
+    assert len(client_message("x" * 10_000)) <= triton_errors.MAX_ENGINE_MESSAGE
     assert client_message(None) == "no details"
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from frontend.generation import triton_engine
+from frontend.generation import engine_stream, triton_engine
 from frontend.generation.engine import BufferBudget, EngineRequest, SamplingOptions, TokenChunk
 from frontend.generation.triton_engine import TritonEngine
 from frontend.api_types.errors import OpenAIError
@@ -230,7 +230,7 @@ def trtllm_token(call: FakeCall, token_id: int, so_far: int) -> None:
                                       output_log_probs=np.full((1, 1, so_far), -0.5, dtype=np.float32)), None))
 
 
-def open_stream(engine: TritonEngine) -> triton_engine._OpenStream:
+def open_stream(engine: TritonEngine) -> engine_stream.OpenStream:
     (stream,) = engine._stalls._streams
     return stream
 
@@ -280,7 +280,7 @@ async def test_output_past_the_requests_buffer_budget_ends_it_with_a_clear_error
     again, gets what waited, then a 503 `client_too_slow`; the budget is all given back."""
     fake = FakeTriton()
     engine = engine_on(fake)
-    budget = BufferBudget(limit=10 * triton_engine.chunk_bytes(TokenChunk([1], [0.0])))
+    budget = BufferBudget(limit=10 * engine_stream.chunk_bytes(TokenChunk([1], [0.0])))
     options = SamplingOptions(max_tokens=100, logprobs=True)
     tokens = engine.generate(EngineRequest("req-1", [1], options, buffer=budget))
     other = engine.generate(EngineRequest("req-2", [1], options, buffer=budget))

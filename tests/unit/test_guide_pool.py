@@ -126,7 +126,7 @@ def test_inputs_that_name_no_guide_are_refused_at_once(pool, compiler):
 
 def test_the_compile_queue_is_bounded_and_says_queue_is_full(pool, compiler):
     """max_compiles=3 distinct guides; max_waiting=5 requests. Past either: refused at once, in words the
-    frontend answers with 429 (frontend/generation/triton_engine.py QUEUE_FULL); a cached guide is never refused."""
+    frontend answers with 429 (frontend/generation/triton_errors.py QUEUE_FULL); a cached guide is never refused."""
     answers = Answers()
     compiler.cache[("regex", "cached")] = ("compiled", "regex", "cached")
     gates = [compiler.gate(f"g{i}") for i in range(3)]

@@ -396,7 +396,7 @@ async def test_a_bug_in_the_generation_path_is_a_500_or_an_error_event_never_a_b
 def test_engine_error_responses_map_to_what_the_client_can_do(message: str, status: int, code: str) -> None:
     from tritonclient.utils import InferenceServerException
 
-    from frontend.generation.triton_engine import error_for
+    from frontend.generation.triton_errors import error_for
     error = error_for(InferenceServerException(message), "tensorrt_llm")
     assert (error.status, error.code) == (status, code)
     assert status != 429 or int(error.headers["Retry-After"]) >= 1

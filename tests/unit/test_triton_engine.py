@@ -12,8 +12,9 @@ from tritonclient.grpc._infer_result import InferResult
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from frontend.generation.engine import SamplingOptions
-from frontend.generation.triton_engine import (_new_log_probs, _new_tokens, _top_alternatives, build_inputs, end_words, error_for,
-                                    requested_outputs)
+from frontend.generation.triton_errors import error_for
+from frontend.generation.trtllm_tensors import (build_inputs, end_words, new_log_probs, new_tokens, requested_outputs,
+                                                 top_alternatives)
 
 
 def input_names(options: SamplingOptions) -> set[str]:
@@ -60,14 +61,14 @@ def Result(**arrays: np.ndarray) -> InferResult:
 
 def test_new_tokens_end_at_sequence_length() -> None:
     padded = np.array([[[5, 6, -1, -1]]], dtype=np.int32)  # [1, beams, len], padded past the valid ids
-    assert _new_tokens(Result(output_ids=padded, sequence_length=np.array([[2]], dtype=np.int32))) == [5, 6]
-    assert _new_tokens(Result(output_ids=np.array([[[7]]], dtype=np.int32))) == [7]  # no length: all of it
-    assert _new_tokens(Result(output_ids=np.zeros((1, 1, 0), dtype=np.int32),
-                              sequence_length=np.array([[0]], dtype=np.int32))) == []
-    assert _new_tokens(Result()) == []
+    assert new_tokens(Result(output_ids=padded, sequence_length=np.array([[2]], dtype=np.int32))) == [5, 6]
+    assert new_tokens(Result(output_ids=np.array([[[7]]], dtype=np.int32))) == [7]  # no length: all of it
+    assert new_tokens(Result(output_ids=np.zeros((1, 1, 0), dtype=np.int32),
+                             sequence_length=np.array([[0]], dtype=np.int32))) == []
+    assert new_tokens(Result()) == []
     # Outputs come in whatever order the backend made them; one token (the usual response) and its length.
-    assert _new_tokens(Result(sequence_length=np.array([[1]], dtype=np.int32),
-                              output_ids=np.array([[[-9, 3]]], dtype=np.int32))) == [-9]
+    assert new_tokens(Result(sequence_length=np.array([[1]], dtype=np.int32),
+                             output_ids=np.array([[[-9, 3]]], dtype=np.int32))) == [-9]
 
 
 def test_new_log_probs_are_the_last_ones_of_a_growing_list() -> None:
@@ -75,11 +76,11 @@ def test_new_log_probs_are_the_last_ones_of_a_growing_list() -> None:
     only the new ones: either way the new tokens' are the last."""
     growing = Result(output_ids=np.array([[[9]]], dtype=np.int32), sequence_length=np.array([[1]], dtype=np.int32),
                      output_log_probs=np.array([[[-0.5, -1.5, -2.5]]], dtype=np.float32))
-    assert _new_log_probs(growing, 1) == [-2.5]
+    assert new_log_probs(growing, 1) == [-2.5]
     only_new = Result(output_log_probs=np.array([[[-0.25, -0.75]]], dtype=np.float32))
-    assert _new_log_probs(only_new, 2) == [-0.25, -0.75]
-    assert _new_log_probs(Result(), 1) is None
-    assert _new_log_probs(Result(output_log_probs=np.zeros((1, 1, 0), dtype=np.float32)), 1) is None
+    assert new_log_probs(only_new, 2) == [-0.25, -0.75]
+    assert new_log_probs(Result(), 1) is None
+    assert new_log_probs(Result(output_log_probs=np.zeros((1, 1, 0), dtype=np.float32)), 1) is None
 
 
 def test_padded_top_alternatives_are_dropped_so_every_one_is_a_real_token() -> None:
@@ -88,13 +89,13 @@ def test_padded_top_alternatives_are_dropped_so_every_one_is_a_real_token() -> N
     `logprob: null`."""
     ids = np.array([[[7, 3, 0, 0], [5, 9, 2, 11]]], dtype=np.int32)  # [1, tokens, k]
     values = np.array([[[-0.1, -2.5, -np.inf, -np.inf], [-0.5, -1.0, -3.0, -4.0]]], dtype=np.float32)
-    top = _top_alternatives(Result(output_top_log_prob_ids=ids, output_top_log_probs=values), 2)
+    top = top_alternatives(Result(output_top_log_prob_ids=ids, output_top_log_probs=values), 2)
     assert top == [[(7, pytest.approx(-0.1)), (3, -2.5)], [(5, -0.5), (9, -1.0), (2, -3.0), (11, -4.0)]]
     assert all(math.isfinite(value) for row in top for _, value in row)
     only_one = np.array([[[4, 0, 0]]], dtype=np.int32), np.array([[[0.0, -np.inf, np.nan]]], dtype=np.float32)
-    assert _top_alternatives(Result(output_top_log_prob_ids=only_one[0], output_top_log_probs=only_one[1]),
-                             1) == [[(4, 0.0)]]
-    assert _top_alternatives(Result(), 1) is None
+    assert top_alternatives(Result(output_top_log_prob_ids=only_one[0], output_top_log_probs=only_one[1]),
+                            1) == [[(4, 0.0)]]
+    assert top_alternatives(Result(), 1) is None
 
 
 def test_a_failed_engine_refusing_new_requests_is_a_503_not_a_500() -> None:

@@ -20,7 +20,9 @@ from tests.trtllm_contract import rules
 from tests.trtllm_contract.double import REPO_ROOT, add_contract_double, contract_config
 # The sampler rules' frontend side (frontend/planning/logprob_rules.py, the queue-full mapping, the metadata field).
 from frontend.generation.engine import SamplingOptions
-from frontend.generation.triton_engine import TritonEngine, build_inputs, error_for, requested_outputs
+from frontend.generation.triton_engine import TritonEngine
+from frontend.generation.triton_errors import error_for
+from frontend.generation.trtllm_tensors import build_inputs, requested_outputs
 from frontend.api_types.errors import OpenAIError
 from frontend.api_types.schemas import SamplingFields
 from frontend.planning.logprob_rules import check_logprobs_meaning, logprobs_meaning_problems
@@ -238,7 +240,7 @@ FRONTEND_OUTPUTS = {"output_ids", "sequence_length"}
 
 
 def frontend_request(**overrides: Any) -> dict[str, np.ndarray]:
-    """What the frontend sends (frontend/generation/triton_engine.py build_inputs), as the backend sees it: batch 1,
+    """What the frontend sends (frontend/generation/trtllm_tensors.py build_inputs), as the backend sees it: batch 1,
     scalar-reshaped inputs as [1]."""
     inputs: dict[str, Any] = {
         "input_ids": np.array([[5, 6, 7]], dtype=np.int32),

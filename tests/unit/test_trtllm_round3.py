@@ -13,7 +13,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from frontend.generation.engine import EngineMetadata, Guide, SamplingOptions
-from frontend.generation.triton_engine import client_message, error_for
+from frontend.generation.triton_errors import client_message, error_for
 from frontend.api_types.errors import OpenAIError
 from frontend.api_types.schemas import SamplingFields
 from frontend.planning.guide_budget import NewGuideBudget
