@@ -47,7 +47,7 @@ class RestartBudgetExceeded(RuntimeError):
 
 
 class Child(Protocol):
-    """A supervised process as the Supervisor sees it (launcher/__main__.py has the two real ones).
+    """A supervised process as the Supervisor sees it (launcher/processes.py has the two real ones).
 
     start() launches a fresh instance (the previous one was stopped); stop() ends the current instance and
     anything it spawned and is safe to call repeatedly; ready() is a quick non-blocking probe; failure_detail()

@@ -2,7 +2,7 @@
 
 Guarded by admin keys (ADMIN_API_KEYS / ADMIN_API_KEYS_FILE), which are not API keys: an API client can
 never change what serves. With no admin key configured every /admin request is refused (403); `make serve`
-writes a random one to a file only its user can read (launcher/__main__.py).
+writes a random one to a file only its user can read (launcher/keys.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ from typing import Iterator
 import httpx
 import pytest
 
-from launcher import __main__ as launcher
+from launcher.__main__ import banner, build_parser, served_model_id
+from launcher.config import load_config
+from launcher.loopback import http_get
 from launcher.ports import find_free_port
 from tests.integration.conftest import (ENGINE_WAIT_S, SLOW_MODEL, Stack, engine_settled, read_stream, start_frontend,
                                         stop_process, wait_engine, wait_http_ok)
@@ -343,12 +345,12 @@ def test_https_and_the_launcher_probe_use_tls(stack: Stack, tmp_path: Path, cert
         monkeypatch.setenv("FRONTEND_PORT", frontend.root.rsplit(":", 1)[1])
         monkeypatch.delenv("API_KEYS", raising=False)
         monkeypatch.delenv("API_KEYS_FILE", raising=False)
-        cfg = launcher.load_config(launcher.build_parser().parse_args(["serve"]))
+        cfg = load_config(build_parser().parse_args(["serve"]))
         assert cfg.frontend_base == frontend.root
-        answer = launcher._http_get(f"{cfg.frontend_base}/health/ready")
+        answer = http_get(f"{cfg.frontend_base}/health/ready")
         assert answer is not None and answer[0] == 200
-        assert launcher.served_model_id(cfg) == stack.model
-        assert "https://" in launcher.banner(cfg, stack.model)
+        assert served_model_id(cfg) == stack.model
+        assert "https://" in banner(cfg, stack.model)
     finally:
         stop_process(frontend.process)
 

@@ -407,17 +407,17 @@ def test_launcher_forwards_sighup_to_the_frontend_and_keeps_running(monkeypatch)
     import subprocess
     import sys
 
-    from launcher import __main__ as launcher
+    from launcher import processes
     child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
                               "signal.signal(signal.SIGHUP, lambda *a: sys.exit(7))\n"
                               "print('ready', flush=True)\ntime.sleep(30)"], stdout=subprocess.PIPE)
     try:
         assert child.stdout.readline().strip() == b"ready"
-        monkeypatch.setattr(launcher, "_frontend_pid", child.pid)
-        launcher._forward_hup(signal.SIGHUP, None)  # no _Shutdown raised: the launcher keeps going
+        monkeypatch.setattr(processes, "_frontend_pid", child.pid)
+        processes.forward_hup(signal.SIGHUP, None)  # no _Shutdown raised: the launcher keeps going
         assert child.wait(10) == 7
-        monkeypatch.setattr(launcher, "_frontend_pid", None)
-        launcher._forward_hup(signal.SIGHUP, None)  # before the frontend exists: nothing happens
+        monkeypatch.setattr(processes, "_frontend_pid", None)
+        processes.forward_hup(signal.SIGHUP, None)  # before the frontend exists: nothing happens
     finally:
         child.kill()
         child.wait()

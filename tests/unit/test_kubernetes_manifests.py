@@ -1,17 +1,18 @@
 """deploy/kubernetes: the rendered manifests agree with the code they deploy.
 
 Each overlay is rendered with `kubectl kustomize` (kubectl is on these machines and in CI) and compared with
-what `make serve` does: the launcher's ports, environment and health checks (launcher/__main__.py, read by
-calling it, not restated here), the frontend's routes, the commands of the Makefile's `serve` target. A
-changed port, probe path or command in the code fails here until the manifests follow. Also checked: what
-the schema validation of `make lint` cannot see in the custom resources (InferencePool, LeaderWorkerSet),
-that every metric name the autoscaler and the endpoint picker read is one the model servers export
-(tests/integration/test_kubernetes_metrics.py scrapes a running CPU stack's frontend for the same names), and
-that Triton stays inside the pod: no container exposes its ports, nothing binds them to all interfaces, and
-the endpoint picker and Prometheus read the engine's gauges on the frontend's /metrics (TRITON_METRICS_URL).
-Also: Triton's liveness is the engine model's readiness; every pod serves the engine of its own ENGINE_KEY,
-never a link a re-run Job could move; Triton's control APIs are behind a key made per pod, in memory, shared
-with the frontend only; the endpoint picker scrapes as often as the frontend refreshes Triton's metrics.
+what `make serve` does: the launcher's ports, environment and health checks (launcher/config.py and
+launcher/processes.py, read by calling them, not restated here), the frontend's routes, the commands of the
+Makefile's `serve` target. A changed port, probe path or command in the code fails here until the manifests
+follow. Also checked: what the schema validation of `make lint` cannot see in the custom resources
+(InferencePool, LeaderWorkerSet), that every metric name the autoscaler and the endpoint picker read is one
+the model servers export (tests/integration/test_kubernetes_metrics.py scrapes a running CPU stack's frontend
+for the same names), and that Triton stays inside the pod: no container exposes its ports, nothing binds them
+to all interfaces, and the endpoint picker and Prometheus read the engine's gauges on the frontend's /metrics
+(TRITON_METRICS_URL). Also: Triton's liveness is the engine model's readiness; every pod serves the engine of
+its own ENGINE_KEY, never a link a re-run Job could move; Triton's control APIs are behind a key made per pod,
+in memory, shared with the frontend only; the endpoint picker scrapes as often as the frontend refreshes
+Triton's metrics.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from typing import Any
 import pytest
 import yaml
 
-import launcher.__main__ as launcher_main
+import launcher.processes as launcher_processes
 import launcher.tritonserver as launcher_tritonserver
 from build_engine.trtllm import checkpoint_sha256
+from launcher.__main__ import build_parser
+from launcher.config import Config, load_config
 from launcher.mpi import tritonserver_argv
 from frontend.observability.metrics import ENGINE_WAITING
 from frontend.http.routes import router
@@ -159,33 +162,33 @@ def autoscaler_metrics(docs: tuple[dict[str, Any], ...]) -> dict[str, tuple[str,
 
 # ----- what `make serve` does, asked from the code -----------------------------------------------------
 @pytest.fixture
-def launcher_config(monkeypatch: pytest.MonkeyPatch) -> launcher_main.Config:
+def launcher_config(monkeypatch: pytest.MonkeyPatch) -> Config:
     """The launcher's defaults, bound to all interfaces as a pod must be (FRONTEND_HOST=0.0.0.0 make serve)."""
     for name in LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FRONTEND_HOST", "0.0.0.0")
-    return launcher_main.load_config(launcher_main.build_parser().parse_args(["serve"]))
+    return load_config(build_parser().parse_args(["serve"]))
 
 
-def launcher_frontend_env(cfg: launcher_main.Config, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+def launcher_frontend_env(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The environment `make serve` starts the frontend with (start_frontend, its Popen intercepted)."""
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(launcher_main.subprocess, "Popen", lambda argv, env, **kw: seen.update(argv=argv, env=env))
-    launcher_main.start_frontend(cfg)
+    monkeypatch.setattr(launcher_processes.subprocess, "Popen", lambda argv, env, **kw: seen.update(argv=argv, env=env))
+    launcher_processes.start_frontend(cfg)
     assert seen["argv"][1:] == ["-m", "frontend"]
     return seen["env"]
 
 
-def launcher_probe_paths(cfg: launcher_main.Config, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, list[str]]:
+def launcher_probe_paths(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, list[str]]:
     """The URL paths the launcher probes: frontend readiness, frontend liveness, Triton readiness."""
     urls: list[str] = []
-    monkeypatch.setattr(launcher_main, "_http_get", lambda url, *a, **kw: urls.append(url) or (200, b""))
+    monkeypatch.setattr(launcher_processes, "http_get", lambda url, *a, **kw: urls.append(url) or (200, b""))
     alive = SimpleNamespace(poll=lambda: None)
-    launcher_main.wait_frontend_ready(cfg, alive, alive)  # type: ignore[arg-type]
-    launcher_main.FrontendProcess(cfg).ready()
+    launcher_processes.wait_frontend_ready(cfg, alive, alive)  # type: ignore[arg-type]
+    launcher_processes.FrontendProcess(cfg).ready()
     triton_urls: list[str] = []
     monkeypatch.setattr(launcher_tritonserver, "_http_ok", lambda url: triton_urls.append(url) or True)
-    launcher_main.TritonProcess(cfg, control_key="k").ready()
+    launcher_processes.TritonProcess(cfg, control_key="k").ready()
     base = cfg.frontend_base
     assert all(u.startswith(base) for u in urls), urls
     return urls[0][len(base):], urls[1][len(base):], [re.sub(r"^http://[^/]+", "", u) for u in triton_urls]
@@ -288,7 +291,7 @@ def test_no_container_exposes_tritons_ports_or_binds_them_to_all_interfaces(over
             assert not ports & TRITON_PORTS, f"{overlay}: NetworkPolicy {doc['metadata']['name']}: {ports}"
 
 
-def test_tritons_ports_are_the_launchers(launcher_config: launcher_main.Config) -> None:
+def test_tritons_ports_are_the_launchers(launcher_config: Config) -> None:
     """TRITON_PORTS are the launcher's defaults (the ports the pods use), so the check above covers them."""
     cfg = launcher_config
     assert {cfg.http_port, cfg.grpc_port, cfg.metrics_port} == TRITON_PORTS
@@ -588,7 +591,7 @@ def test_the_image_has_what_the_multinode_pods_run() -> None:
 
 
 # ----- the CPU overlay against `make serve` --------------------------------------------------------------
-def test_cpu_pod_has_the_ports_and_environment_of_make_serve(launcher_config: launcher_main.Config,
+def test_cpu_pod_has_the_ports_and_environment_of_make_serve(launcher_config: Config,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = launcher_config
     pod = server_pod(render("cpu"))
@@ -611,7 +614,7 @@ def test_cpu_pod_has_the_ports_and_environment_of_make_serve(launcher_config: la
     assert triton_env["ENGINE_MODEL"] == cfg.engine_model
 
 
-def test_cpu_pod_probes_what_make_serve_probes(launcher_config: launcher_main.Config,
+def test_cpu_pod_probes_what_make_serve_probes(launcher_config: Config,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = launcher_config
     ready_path, live_path, triton_paths = launcher_probe_paths(cfg, monkeypatch)
@@ -632,7 +635,7 @@ def test_cpu_pod_probes_what_make_serve_probes(launcher_config: launcher_main.Co
     assert startup["periodSeconds"] * startup["failureThreshold"] >= cfg.triton_ready_timeout_s
 
 
-def test_cpu_pod_runs_the_commands_of_make_serve(tmp_path: Path, launcher_config: launcher_main.Config) -> None:
+def test_cpu_pod_runs_the_commands_of_make_serve(tmp_path: Path, launcher_config: Config) -> None:
     build_step, serve_step = make_serve_commands()
     pod = server_pod(render("cpu"))
     assert container(pod, "build-engine")["command"] == build_step
@@ -648,7 +651,7 @@ def test_cpu_pod_runs_the_commands_of_make_serve(tmp_path: Path, launcher_config
 
 
 def test_triton_cpu_execs_the_launchers_tritonserver_with_every_port_on_loopback(
-        tmp_path: Path, launcher_config: launcher_main.Config, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, launcher_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = launcher_config
     key_file = tmp_path / "control-key"
     key_file.write_text("k" * 64)
@@ -717,7 +720,7 @@ class ProbeTarget:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_triton_is_alive_while_the_engine_model_is_ready(overlay: str,
-                                                         launcher_config: launcher_main.Config) -> None:
+                                                         launcher_config: Config) -> None:
     pod = server_pod(render(overlay))
     triton, frontend = container(pod, "triton"), container(pod, "frontend")
     # The model the probes ask for is the one the frontend serves (ENGINE_MODEL of both containers).

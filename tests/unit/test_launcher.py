@@ -23,11 +23,13 @@ import pytest
 
 from tritonclient.utils import InferenceServerException
 
-import launcher.__main__ as launcher_main
 import launcher.mpi as launcher_mpi
 from launcher import engine_health
+from launcher.__main__ import build_parser
+from launcher.config import LaunchError, load_config
 from launcher.engine_health import EngineHealth, Problem
 from launcher.ports import PortInUseError, check_ports_free, find_free_port
+from launcher.processes import rotate_log
 from launcher.supervise import RestartBudget, RestartBudgetExceeded, Supervisor, describe_exit
 from launcher.tritonserver import (STACK_DUMP_SIGNAL, TritonServer, TritonStartError, catches_signal,
                                   find_tritonserver, group_alive, group_members, remove_shm_regions)
@@ -408,27 +410,27 @@ def test_zero_restarts_means_the_first_death_ends_supervision() -> None:
 
 # ----- supervision settings and the Triton log across restarts ------------------------------------------
 def test_max_restarts_per_minute_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    args = launcher_main.build_parser().parse_args(["serve"])
+    args = build_parser().parse_args(["serve"])
     monkeypatch.delenv("MAX_RESTARTS_PER_MINUTE", raising=False)
-    assert launcher_main.load_config(args).max_restarts_per_minute == 5
+    assert load_config(args).max_restarts_per_minute == 5
     monkeypatch.setenv("MAX_RESTARTS_PER_MINUTE", "2")
-    assert launcher_main.load_config(args).max_restarts_per_minute == 2
+    assert load_config(args).max_restarts_per_minute == 2
     monkeypatch.setenv("MAX_RESTARTS_PER_MINUTE", "0")
-    assert launcher_main.load_config(args).max_restarts_per_minute == 0
+    assert load_config(args).max_restarts_per_minute == 0
     for bad in ("-1", "many"):
         monkeypatch.setenv("MAX_RESTARTS_PER_MINUTE", bad)
-        with pytest.raises(launcher_main.LaunchError, match="MAX_RESTARTS_PER_MINUTE"):
-            launcher_main.load_config(args)
+        with pytest.raises(LaunchError, match="MAX_RESTARTS_PER_MINUTE"):
+            load_config(args)
 
 
 def test_rotate_log_keeps_the_previous_run(tmp_path: Path) -> None:
     log = tmp_path / "tritonserver.log"
-    launcher_main.rotate_log(log)  # nothing yet: nothing to do
+    rotate_log(log)  # nothing yet: nothing to do
     log.write_text("first run\n")
-    launcher_main.rotate_log(log)
+    rotate_log(log)
     assert not log.exists() and (tmp_path / "tritonserver.log.1").read_text() == "first run\n"
     log.write_text("second run\n")
-    launcher_main.rotate_log(log)
+    rotate_log(log)
     assert (tmp_path / "tritonserver.log.1").read_text() == "second run\n"
 
 

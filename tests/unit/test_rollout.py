@@ -451,7 +451,7 @@ def test_the_launcher_settles_every_model_before_each_triton_restart(tmp_path: P
     the link on the new one, rollout.json on the old) is undone before the supervisor starts Triton again."""
     from types import SimpleNamespace
 
-    import launcher.__main__ as launcher_main
+    import launcher.processes as launcher_processes
 
     model = make_model(tmp_path, [1, 2], live=1)
     started: list[tuple[list[int], int | None]] = []
@@ -468,12 +468,12 @@ def test_the_launcher_settles_every_model_before_each_triton_restart(tmp_path: P
         def stop(self) -> None:
             pass
 
-    monkeypatch.setattr(launcher_main, "TritonServer", FakeServer)
-    monkeypatch.setattr(launcher_main, "rotate_log", lambda path: None)
+    monkeypatch.setattr(launcher_processes, "TritonServer", FakeServer)
+    monkeypatch.setattr(launcher_processes, "rotate_log", lambda path: None)
     cfg = SimpleNamespace(model_repository=tmp_path / "models", http_port=1, grpc_port=2, metrics_port=3,
                           triton_log=tmp_path / "t.log", work_dir=tmp_path, engine_model=NAME,
                           triton_ready_timeout_s=60.0, engine_unhealthy_s=10.0)
-    triton = launcher_main.TritonProcess(cfg, "key")  # type: ignore[arg-type]
+    triton = launcher_processes.TritonProcess(cfg, "key")  # type: ignore[arg-type]
     triton.start()
     with model.locked():  # a rollout to 2 in progress when Triton dies
         model.set_loaded([1, 2])

@@ -20,7 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from launcher.__main__ import build_parser, load_config
+from launcher.__main__ import build_parser
+from launcher.config import load_config
 from launcher.tritonserver import TritonServer
 
 # launcher/tritonserver.py TritonServer.start() sets this default too (OpenMP threads spin briefly between
