@@ -1,6 +1,7 @@
 """Start tritonserver and the OpenAI frontend together (`python -m launcher serve`).
 
-Standard library only, so it runs before any optional dependency is installed.
+It imports neither the frontend nor the engine: the standard library, the model store (build_engine/model_store.py),
+and tritonclient with numpy for the engine's health probe (launcher/engine_health.py).
 
 __main__.py   the entry point: preflight, the starts in order, the banner, signals, the stops, the CLI
 config.py     what a launch is configured with (arguments and environment), LaunchError
