@@ -31,7 +31,7 @@ import xgrammar as xgr
 
 from build_engine.demo_checkpoint import ensure_demo_checkpoint
 from build_engine.xgrammar_info import tokenizer_info
-from frontend.api_types.schemas import ToolDefinition
+from frontend.api_types.request_bodies import ToolDefinition
 from frontend.planning.structured import named_tool_guide, required_tools_guide
 
 

@@ -1,1 +1,2 @@
-"""The OpenAI wire types: request and response schemas, the error shape."""
+"""The OpenAI wire types: request bodies, the checks of a whole body before pydantic, reply bodies, the
+error shape."""

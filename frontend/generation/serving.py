@@ -25,7 +25,7 @@ import anyio
 from frontend.generation.engine import BufferBudget, EngineRequest, Guide, LLMEngine, SamplingOptions, TokenChunk
 from frontend.api_types.errors import OpenAIError, engine_error, invalid_request
 from frontend.parsing.reasoning import ReasoningParser
-from frontend.api_types.schemas import SamplingFields
+from frontend.api_types.request_bodies import SamplingFields
 from frontend.generation.stop_strings import StopStringMatcher
 from frontend.text.tokenizer import Tokenizer
 from frontend.parsing.tool_parsers import ToolCall, ToolCallDelta, ToolCallParser

@@ -13,9 +13,10 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 
 from frontend.http.logprob_rendering import TokenStrings, chat_logprobs, completion_logprobs
-from frontend.api_types.schemas import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta,
-                              Completion, CompletionChoice, FunctionCallDeltaOut, FunctionCallOut, ResponseMessage,
-                              ToolCallDeltaOut, ToolCallOut, Usage, completion_id, now)
+from frontend.api_types.reply_bodies import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+                                             ChatDelta, Completion, CompletionChoice, FunctionCallDeltaOut,
+                                             FunctionCallOut, ResponseMessage, ToolCallDeltaOut, ToolCallOut, Usage,
+                                             completion_id, now)
 from frontend.generation.serving import ChoiceResult, TextDelta, UsageCounter
 from frontend.http.sse import sse_data
 

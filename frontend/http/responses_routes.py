@@ -24,7 +24,7 @@ from frontend.http.request_budget import RequestBudget
 from frontend.http.routes import (check_fits_context, check_top_logprobs, lists_fit, model_context, new_generation,
                                   off_loop, rate_limited, request_context)
 from frontend.models.registry import ModelContext
-from frontend.api_types.schemas import ChatCompletionRequest
+from frontend.api_types.request_bodies import ChatCompletionRequest
 from frontend.planning.chat_plan import ChatPlan
 from frontend.planning.guide_check import check_guides
 from frontend.planning.logprob_rules import check_logprobs_meaning

@@ -19,8 +19,9 @@ from frontend.models.registry import ModelContext
 from frontend.http.renderers import ChatRenderer, CompletionRenderer
 from frontend.http.request_budget import RequestBudget
 from frontend.http.generation_response import GenerationResponse
-from frontend.api_types.schemas import (MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                              ModelCard, ModelList, SamplingFields, TokenizeRequest, now, raw_prompts)
+from frontend.api_types.reply_bodies import ModelCard, ModelList, now
+from frontend.api_types.request_bodies import (MAX_N, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                               DetokenizeRequest, SamplingFields, TokenizeRequest, raw_prompts)
 from frontend.generation.serving import AnswerParsing, Generation, GenerationLimits, choice_jobs, resolve_max_tokens
 from frontend.planning.guide_check import check_guides
 from frontend.planning.logprob_rules import check_logprobs_meaning

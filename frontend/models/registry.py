@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator
 from build_engine import model_store
 from frontend.generation.engine import EngineMetadata, EngineRequest, TokenChunk
 from frontend.api_types.errors import OpenAIError, service_unavailable
-from frontend.api_types.schemas import ModelVersion
+from frontend.api_types.reply_bodies import ModelVersion
 from frontend.settings import Settings
 from frontend.text.tokenizer import Tokenizer
 from frontend.parsing.tool_parsers import parser_for_template

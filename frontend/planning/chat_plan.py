@@ -29,7 +29,7 @@ from frontend.generation.engine import Guide
 from frontend.api_types.errors import invalid_request
 from frontend.models.registry import ModelContext
 from frontend.parsing.reasoning import REASONING_PARSERS, prompt_opens_reasoning
-from frontend.api_types.schemas import ChatCompletionRequest, NamedToolChoice
+from frontend.api_types.request_bodies import ChatCompletionRequest, NamedToolChoice
 from frontend.generation.serving import AnswerParsing
 from frontend.planning.structured import chat_guide, tool_schema_guides
 from frontend.text.tokenizer import Tokenizer

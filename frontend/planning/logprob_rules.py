@@ -13,7 +13,7 @@ engine side of the same rule).
 from __future__ import annotations
 
 from frontend.api_types.errors import invalid_request
-from frontend.api_types.schemas import SamplingFields
+from frontend.api_types.request_bodies import SamplingFields
 
 
 def logprobs_meaning_problems(req: SamplingFields, log_probs: str) -> list[str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from frontend.generation.engine import Guide
 from frontend.api_types.errors import invalid_request
-from frontend.api_types.schemas import SamplingFields
+from frontend.api_types.request_bodies import SamplingFields
 
 # cpp/tensorrt_llm/kernels/samplingTopKKernels.h TOP_K_MAX; clamped by clampTopK() with a warning
 # (layers/topKSamplingLayer.cpp setup(), @03961722).

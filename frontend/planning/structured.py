@@ -23,7 +23,7 @@ import jsonschema
 
 from frontend.generation.engine import Guide
 from frontend.api_types.errors import invalid_request
-from frontend.api_types.schemas import ChatCompletionRequest, GuidedFields, NamedToolChoice, ToolDefinition
+from frontend.api_types.request_bodies import ChatCompletionRequest, GuidedFields, NamedToolChoice, ToolDefinition
 
 MAX_GUIDE_BYTES = 100_000  # every guide (schema, regex, grammar) is compiled (frontend, engine): bounded input
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

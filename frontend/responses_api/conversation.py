@@ -25,7 +25,7 @@ import json
 from typing import Any, Awaitable, Callable, TypeVar
 
 from frontend.api_types.errors import OpenAIError, invalid_request
-from frontend.api_types.schemas import ChatMessage, FunctionCallIn, ToolCallIn
+from frontend.api_types.request_bodies import ChatMessage, FunctionCallIn, ToolCallIn
 from frontend.responses_api.objects import (custom_tool_call_item, function_call_item, function_call_output_item,
                                         local_shell_call_item, local_shell_call_output_item, message_item, new_id,
                                         output_text_part, reasoning_item)

@@ -15,9 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from frontend.api_types.client_json import client_error_path
 from frontend.api_types.errors import invalid_request
-from frontend.api_types.schemas import (INT32_MAX, SEED_LIMIT, ClientRequest, ClientStr, Fp32, RequestModel,
-                                     client_error_path)
+from frontend.api_types.request_bodies import INT32_MAX, SEED_LIMIT, ClientRequest, ClientStr, Fp32, RequestModel
 
 MAX_INPUT_ITEMS = 1024  # items in one request's `input`
 MAX_CONTENT_PARTS = 256  # parts of one message

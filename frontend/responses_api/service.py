@@ -32,7 +32,7 @@ from sqlalchemy.exc import DBAPIError
 
 from frontend.generation.serving import Generation
 from frontend.api_types.errors import OpenAIError, invalid_request
-from frontend.api_types.schemas import ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat
+from frontend.api_types.request_bodies import ChatCompletionRequest, ChatMessage, JsonSchemaFormat, ResponseFormat
 from frontend.responses_api.conversation import conversation_messages, stored_item
 from frontend.responses_api import events
 from frontend.responses_api.events import Event

@@ -20,7 +20,7 @@ from typing import Any
 import xgrammar
 
 from frontend.api_types.errors import invalid_request
-from frontend.api_types.schemas import FunctionDefinition, NamedFunction, NamedToolChoice, ToolDefinition
+from frontend.api_types.request_bodies import FunctionDefinition, NamedFunction, NamedToolChoice, ToolDefinition
 from frontend.responses_api.request import NAMESPACE_SEPARATOR, CustomTool, OfferedTool, ResponsesRequest
 
 CUSTOM_INPUT = "input"  # the one argument of a custom tool, as the model sees it

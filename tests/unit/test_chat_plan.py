@@ -17,7 +17,7 @@ from frontend.http.app import create_app
 from frontend.planning.chat_plan import ChatPlan
 from frontend.api_types.errors import OpenAIError
 from frontend.models.registry import ModelContext
-from frontend.api_types.schemas import ChatCompletionRequest
+from frontend.api_types.request_bodies import ChatCompletionRequest
 from frontend.settings import Settings
 from tests.unit.test_serving import TOKENIZER, ByteTokenizer, FakeEngine, tokens_of
 

@@ -15,9 +15,10 @@ from tritonclient.utils import InferenceServerException
 
 from frontend.generation import triton_errors
 from frontend.generation.engine import EngineRequest, SamplingOptions
+from frontend.api_types.client_json import MAX_JSON_DEPTH, check_client_json
 from frontend.api_types.errors import OpenAIError, install_error_handlers
-from frontend.api_types.schemas import (INT32_MAX, MAX_JSON_DEPTH, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                              DetokenizeRequest, TokenizeRequest, check_client_json)
+from frontend.api_types.request_bodies import (INT32_MAX, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                               DetokenizeRequest, TokenizeRequest)
 from frontend.generation.triton_engine import TritonEngine
 from frontend.generation.triton_errors import client_message, is_client_error
 from frontend.generation.trtllm_tensors import build_inputs

@@ -18,7 +18,7 @@ import pytest
 from frontend.generation.engine import EngineMetadata, Guide
 from frontend.generation.triton_engine import TritonEngine
 from frontend.api_types.errors import OpenAIError
-from frontend.api_types.schemas import CompletionRequest
+from frontend.api_types.request_bodies import CompletionRequest
 from frontend.planning.guide_check import (GuideChecker, check_guides, compile_guide, empty_alternative,
                                            newer_ebnf_macro)
 from frontend.planning.structured import MAX_GUIDE_BYTES, extension_guide

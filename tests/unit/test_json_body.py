@@ -16,11 +16,11 @@ from fastapi.testclient import TestClient
 
 from frontend.http import json_body, routes
 
-from frontend.api_types import schemas
+from frontend.api_types import request_bodies
 from frontend.api_types.errors import OpenAIError, install_error_handlers
 from frontend.http.middleware import Edge, EdgeMiddleware
 from frontend.models.registry import ModelContext
-from frontend.api_types.schemas import raw_prompts
+from frontend.api_types.request_bodies import raw_prompts
 from frontend.settings import Settings
 
 CONTEXT_LENGTH = 512
@@ -55,8 +55,9 @@ def client() -> TestClient:
 def validated(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Bodies that reached pydantic's validation (its first step, the whole-body check)."""
     seen: list[Any] = []
-    check = schemas.check_client_json
-    monkeypatch.setattr(schemas, "check_client_json", lambda value, *args: (seen.append(value), check(value, *args)))
+    check = request_bodies.check_client_json
+    monkeypatch.setattr(request_bodies, "check_client_json",
+                        lambda value, *args: (seen.append(value), check(value, *args)))
     return seen
 
 

@@ -12,7 +12,7 @@ from openai.types.responses.response_item import ResponseItem
 from pydantic import TypeAdapter
 
 from frontend.api_types.errors import OpenAIError
-from frontend.api_types.schemas import ChatMessage
+from frontend.api_types.request_bodies import ChatMessage
 from frontend.responses_api.conversation import (chat_messages, conversation_messages, drop_oldest_turns, stored_item,
                                             turn_starts)
 from frontend.responses_api.request import ResponsesRequest

@@ -16,7 +16,7 @@ from frontend.generation.engine import EngineMetadata, EngineRequest, SamplingOp
 from frontend.api_types.errors import OpenAIError, engine_error
 from frontend.http.renderers import ChatRenderer, CompletionRenderer
 from frontend.http.generation_response import GenerationResponse
-from frontend.api_types.schemas import CompletionRequest
+from frontend.api_types.request_bodies import CompletionRequest
 from frontend.parsing.reasoning import REASONING_PARSERS
 from frontend.generation.serving import (AnswerParsing, ChoiceJob, Generation, GenerationLimits, UsageCounter, choice_jobs,
                              generate_choice)

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from frontend.api_types.errors import OpenAIError
-from frontend.api_types.schemas import ChatCompletionRequest, CompletionRequest
+from frontend.api_types.request_bodies import ChatCompletionRequest, CompletionRequest
 from frontend.planning.structured import chat_guide, extension_guide
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

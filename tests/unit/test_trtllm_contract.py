@@ -24,7 +24,7 @@ from frontend.generation.triton_engine import TritonEngine
 from frontend.generation.triton_errors import error_for
 from frontend.generation.trtllm_tensors import build_inputs, requested_outputs
 from frontend.api_types.errors import OpenAIError
-from frontend.api_types.schemas import SamplingFields
+from frontend.api_types.request_bodies import SamplingFields
 from frontend.planning.logprob_rules import check_logprobs_meaning, logprobs_meaning_problems
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 

@@ -15,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 from frontend.generation.engine import EngineMetadata, Guide, SamplingOptions
 from frontend.generation.triton_errors import client_message, error_for
 from frontend.api_types.errors import OpenAIError
-from frontend.api_types.schemas import SamplingFields
+from frontend.api_types.request_bodies import SamplingFields
 from frontend.planning.guide_budget import NewGuideBudget
 from frontend.planning.guide_check import check_guides
 from frontend.planning.sampling import TRTLLM_TOP_K_MAX, check_top_k, engine_sampling
@@ -195,7 +195,7 @@ def test_no_end_id_input_is_end_id_minus_1_for_min_tokens() -> None:
 def test_without_an_eos_min_tokens_is_not_sent() -> None:
     """A tokenizer without an eos: no end_id goes out, which TensorRT-LLM reads as -1 (R1)."""
     from frontend.generation.serving import choice_jobs
-    from frontend.api_types.schemas import CompletionRequest
+    from frontend.api_types.request_bodies import CompletionRequest
     from tests.unit.test_serving import TOKENIZER
 
     req = CompletionRequest(model="m", prompt="p", max_tokens=5, min_tokens=3)

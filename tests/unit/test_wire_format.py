@@ -215,7 +215,7 @@ def test_text_frames_are_byte_for_byte_the_full_models(renderer_kind: str) -> No
     serialising the chunk model sends, whatever the text holds."""
     from frontend.generation.serving import TextDelta
     from frontend.http.renderers import ChatRenderer, CompletionRenderer
-    from frontend.api_types.schemas import ChatChunkChoice, ChatDelta, CompletionChoice
+    from frontend.api_types.reply_bodies import ChatChunkChoice, ChatDelta, CompletionChoice
 
     rng = random.Random(0)
     texts = TRICKY_TEXTS + ["".join(chr(rng.choice([rng.randrange(0x20, 0x7f), rng.randrange(0, 0x20),

@@ -1,4 +1,5 @@
-"""OpenAI request and response shapes, all in one place.
+"""What clients send: the bodies of /v1/chat/completions, /v1/completions, /tokenize and /detokenize, and
+the field types and bounds they are built from (which the Responses API's request reuses).
 
 Requests ignore fields they do not know (clients add new OpenAI fields all the time) but reject known
 fields set to values we cannot honour, naming the field, instead of silently dropping them.
@@ -8,13 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler,
-                      field_validator, model_serializer, model_validator)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from frontend.api_types.client_json import check_client_json, encodable
 from frontend.api_types.errors import invalid_request
 
 
@@ -27,83 +26,10 @@ SEED_LIMIT = 2**63  # the seed tensor is UINT64, but the CPU engine hands it to 
 FP32_LARGE = 1e30
 FP32_SMALL = 1e-30
 MAX_N = 128  # far above any server's max_n setting: only keeps absurd numbers out of arithmetic
-MAX_JSON_DEPTH = 64  # the deepest nesting of arrays and objects a request body may have
-
-
-def client_error_path(path: tuple[str | int, ...]) -> str:
-    """A location in the body for an error's message and `param`: dotted, and short (keys come from the
-    client and may be long)."""
-    text = ".".join(str(part) for part in path)
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-def _encodable(text: str) -> bool:
-    """Whether the string is valid Unicode: JSON may escape lone surrogates ("\\ud800"), which neither a
-    tokenizer nor a UTF-8 response can carry."""
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _lone_surrogate(path: tuple[str | int, ...], in_key: bool = False) -> Exception:
-    where = client_error_path(path)
-    if in_key:
-        what = f"a key of {where}" if where else "a key of the request body"
-    else:
-        what = where or "the request body"
-    return invalid_request(f"{what}: invalid Unicode, a lone surrogate (\\ud800-\\udfff) that is not part of "
-                           "a pair", where or None)
-
-
-_SCALAR_TYPES = frozenset({int, float, bool, type(None)})
-
-
-def check_client_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """Refuse (400, naming the field) a parsed request body nested deeper than `max_depth` arrays and
-    objects, or holding a string (value or key, known field or ignored extra) with a lone surrogate.
-
-    Iterative, never recursive, so that no body can raise RecursionError (a 500): this replaces the edge
-    middleware's re-parse of the body. Keys are checked before any path through them is named, so an
-    error's `param` never carries a lone surrogate into the (UTF-8) response. A list of numbers (a
-    token-id prompt of a million ids) is passed over at C speed."""
-    if isinstance(value, str):
-        if not _encodable(value):
-            raise _lone_surrogate(())
-        return
-    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
-    while stack:
-        item, path = stack.pop()
-        if isinstance(item, dict):
-            for key in item:
-                if isinstance(key, str) and not _encodable(key):
-                    raise _lone_surrogate(path, in_key=True)
-            children: Any = item.items()
-            types = set(map(type, item.values()))
-        elif isinstance(item, list):
-            children = enumerate(item)
-            types = set(map(type, item))
-        else:  # a Python value (a model) given directly: validated by its own type
-            continue
-        if len(path) >= max_depth:
-            field = client_error_path(path[:1]) or None  # the field, not a path of `max_depth` parts
-            raise invalid_request(f"the request body is nested deeper than {max_depth} levels of arrays and "
-                                  f"objects{f' (in {field})' if field else ''}", field)
-        if _SCALAR_TYPES.issuperset(types):  # numbers only (a token-id prompt): nothing to look into
-            continue
-        for key, child in children:
-            if isinstance(child, str):
-                if not _encodable(child):
-                    raise _lone_surrogate((*path, key))
-            elif type(child) not in _SCALAR_TYPES:
-                stack.append((child, (*path, key)))
 
 
 def _utf8(value: str) -> str:
-    if not _encodable(value):
+    if not encodable(value):
         raise ValueError("invalid Unicode, a lone surrogate (\\ud800-\\udfff) that is not part of a pair")
     return value
 
@@ -443,155 +369,6 @@ class CompletionRequest(GuidedFields):
         return self.max_tokens
 
 
-# ----- responses ---------------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length", "tool_calls"]
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class FunctionCallOut(BaseModel):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
-class ResponseMessage(BaseModel):
-    """`content` is always there (null when the answer is only tool calls, as OpenAI's); `tool_calls` and
-    `reasoning_content` only when there are some."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCallOut] | None = None
-    reasoning_content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return {key: value for key, value in handler(self).items()
-                if value is not None or key == "content"}
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ResponseMessage
-    logprobs: dict | None = None
-    finish_reason: FinishReason
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class FunctionCallDeltaOut(BaseModel):
-    name: str | None = None
-    arguments: str = ""
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class ToolCallDeltaOut(BaseModel):
-    """A call's first delta carries its id, type and name; the following ones argument fragments only."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDeltaOut
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class ChatDelta(BaseModel):
-    """Streamed deltas carry only the fields they set: `{"role", "content"}` first, then `{"content"}`,
-    `{"reasoning_content"}` or `{"tool_calls"}`, and `{}` with the finish reason."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCallDeltaOut] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: dict | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: dict | None = None
-    finish_reason: FinishReason | None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelVersion(BaseModel):
-    """One build of a named model (its engine record), and whether it serves."""
-
-    version: int
-    status: Literal["live", "on_disk"]
-    source: dict[str, str] | None = None
-    checkpoint_sha256: str | None = None
-    built_at: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "tritonllm"
-    max_model_len: int
-    # Named models only (MODEL_REPOSITORY): the version serving, the one a rollback restores, and every
-    # version on disk.
-    live_version: int | None = None
-    previous_version: int | None = None
-    versions: list[ModelVersion] | None = None
-    # vLLM's: a LoRA adapter's base model (`parent`) and its directory (`root`); a model's root is its own id.
-    root: str | None = None
-    parent: str | None = None
-
-
 class TokenizeRequest(ClientRequest):
     """vLLM-style helper: either a prompt or chat messages (rendered with the chat template)."""
 
@@ -609,16 +386,3 @@ class TokenizeRequest(ClientRequest):
 class DetokenizeRequest(ClientRequest):
     model: ClientStr | None = None
     tokens: list[TokenId]
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def completion_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
