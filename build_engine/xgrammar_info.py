@@ -32,7 +32,7 @@ The format, one JSON object with exactly these keys (upstream files read to lear
     ``eos_token_id`` entries of generation_config.json): ``GuidedDecodingConfig::validate()``
     (``cpp/tensorrt_llm/executor/guidedDecodingConfig.cpp``) warns that stop ids that differ from the
     requests' end id break xgrammar, and our frontend sends ``end_id = tokenizer.eos_token_id``
-    (frontend/generation/triton_engine.py), so a grammar that ended on another id would leave the request running.
+    (frontend/generation/trtllm_tensors.py), so a grammar that ended on another id would leave the request running.
 
 Where we differ from upstream, deliberately:
 
