@@ -29,7 +29,9 @@ column (a JSON array); new rows keep `'[]'` there, which says "a stream is kept"
 Dead runs. A running (queued, in_progress) response's process refreshes `heartbeat_at_ms` (`heartbeat`,
 and every `update`). If that process dies (kill -9, the OOM killer: nothing marks the row), the heartbeat
 goes stale; a reader that finds it older than `stale_after_s` turns the row `failed` with one conditional
-UPDATE (still running, still stale), so GET and stream followers end instead of polling for 30 days.
+UPDATE (still running, still stale), so GET and stream followers end instead of polling for 30 days. A
+process that was only silent (stopped, starved, cut off from the database) and writes again finds its run
+ended: `update` writes over running or cancelled rows only, and `cancel_requested` tells it to stop.
 
 Chains. `chain_bytes` is a response's input and output items' JSON bytes plus its previous response's
 `chain_bytes`, so the size of a whole previous_response_id chain is one row's column: the API refuses
@@ -72,6 +74,9 @@ log = logging.getLogger("frontend")
 
 STATUSES = frozenset({"queued", "in_progress", "completed", "incomplete", "failed", "cancelled"})
 CANCELLABLE = ("queued", "in_progress")  # request_cancel turns these into "cancelled"
+# What a run's `update` may still write over: its own running states, and a cancel (the partial output at the
+# cancel is kept). Never an ended one, least of all a run found dead ("failed"): its process was only silent.
+WRITABLE = CANCELLABLE + ("cancelled",)
 
 # A previous_response_id chain longer than this is refused (ChainTooLong): rebuilding it is one query, but
 # its items all go to the model in one prompt, which no context window holds at this length anyway.
@@ -393,7 +398,8 @@ class ResponseStore:
                      output_items: list[dict], new_events: list[dict] | None = None,
                      drop_events: bool = False) -> bool:
         """Replace the response and its output items, append `new_events` to its stream (or, with
-        `drop_events`, keep no stream any more); False if it is not visible. Refreshes the heartbeat.
+        `drop_events`, keep no stream any more); False if it is not visible or has ended (WRITABLE: a run
+        found dead keeps its failed status and stream). Refreshes the heartbeat.
 
         Never un-cancels: once cancelled, the status stays "cancelled" whatever `status` says (the content
         is still replaced, so the partial output at the cancel is kept). ResponseTooLarge over the cap.
@@ -415,7 +421,7 @@ class ResponseStore:
                 values["events"] = func.coalesce(t.c.events, "[]")
             values["events_bytes"] = t.c.events_bytes + sum(size for _, size in events)
             new_size = t.c.input_bytes + values["events_bytes"] + response_bytes
-        visible = self._visible(owner, response_id)
+        visible = and_(self._visible(owner, response_id), t.c.status.in_(WRITABLE))
         async with self._engine.begin() as conn:
             result = await conn.execute(update(t).where(visible, new_size <= self.max_bytes).values(**values))
             if result.rowcount:
@@ -423,7 +429,7 @@ class ResponseStore:
                     await conn.execute(delete(events_table).where(events_table.c.response_id == response_id))
                 await self._append_events(conn, response_id, new_events or [], events)
                 return True
-            # Not updated: over the cap, or not visible (the size is only read for the caller's own row).
+            # Not updated: over the cap, or not visible or ended (the size is only read for the caller's own row).
             size = (await conn.execute(select(new_size).where(visible))).scalar()
         if size is None:
             return False
@@ -568,13 +574,14 @@ class ResponseStore:
         return [json.loads(item) for item in page[:limit]], len(page) > limit
 
     async def cancel_requested(self, response_id: str) -> bool:
-        """Whether the process generating this response should stop: a cancel was requested, or the
-        response is gone (deleted or purged: nobody can read what it would store). Not owner-scoped: the
-        caller is the generating process, which already holds the id."""
+        """Whether the process generating this response should stop: a cancel was requested, the response
+        is gone (deleted or purged: nobody can read what it would store), or it was found dead (failed while
+        its process was silent: nothing it writes is kept). Not owner-scoped: the caller is the generating
+        process, which already holds the id."""
         t = responses_table
         async with self._engine.connect() as conn:
-            flag = (await conn.execute(select(t.c.cancel_requested).where(t.c.id == response_id))).scalar()
-        return flag is None or bool(flag)
+            row = (await conn.execute(select(t.c.cancel_requested, t.c.status).where(t.c.id == response_id))).first()
+        return row is None or bool(row.cancel_requested) or row.status == "failed"
 
     async def chain_bytes(self, owner: str, response_id: str) -> int | None:
         """The JSON bytes of the items of the chain ending at response_id (one row read: the module

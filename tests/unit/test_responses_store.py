@@ -172,9 +172,8 @@ async def test_update_replaces_the_response_and_output(store: ResponseStore) -> 
     assert got.events == events  # no new_events leaves the stored events as they were
     more = [{"type": "response.completed", "sequence_number": 1}]
     assert await store.update("alice", "resp_1", status="completed", response=done.response,
-                              output_items=done.output_items, new_events=more) is True  # appended
-    assert (await store.get("alice", "resp_1")).events == events + more
-    assert (await store.get("alice", "resp_1", events_after=0)).events == more  # a follower's read
+                              output_items=done.output_items, new_events=more) is False  # it has ended
+    assert (await store.get("alice", "resp_1")).events == events
 
 
 async def test_update_of_a_missing_or_deleted_response_is_false(store: ResponseStore) -> None:
@@ -474,6 +473,23 @@ async def test_a_running_response_whose_heartbeat_is_stale_reads_as_failed(open_
     assert (await other.get("alice", "resp_run")).status == "failed"
     await store.heartbeat("resp_run")  # a late heartbeat does not revive it
     assert (await other.get("alice", "resp_run")).status == "failed"
+
+
+async def test_a_run_found_dead_stays_failed_when_its_silent_process_writes_again(open_store: StoreFactory) -> None:
+    """A process that was only silent past the window (stopped, starved) comes back: its writes change nothing,
+    the failed stream its followers ended on stands, and it is told to stop."""
+    clock = Clock(T0)
+    store = await open_store(clock=clock, stale_after_s=30)
+    await store.create(record(status="in_progress", events=[{"type": "response.created", "sequence_number": 0}]))
+    assert await store.cancel_requested("resp_1") is False
+    clock.now = T0 + 31
+    failed = await store.get("alice", "resp_1")
+    assert failed.status == "failed" and [e["type"] for e in failed.events] == ["response.created", "response.failed"]
+    late = [{"type": "response.completed", "sequence_number": 1}]
+    assert not await store.update("alice", "resp_1", status="completed", response=record(status="completed").response,
+                                  output_items=[], new_events=late)
+    assert await store.get("alice", "resp_1") == failed
+    assert await store.cancel_requested("resp_1") is True
 
 
 async def test_a_heartbeat_between_the_read_and_the_update_keeps_the_run(open_store: StoreFactory) -> None:
