@@ -369,8 +369,10 @@ class ResponsesService:
                 self.runs.pop(run.id, None)
 
     async def _watch(self, run: ResponseRun) -> bool:
-        """Until a cancel is requested (True): poll for it, and each time save the stream's new events (which
-        refreshes the heartbeat), or else refresh the heartbeat when a third of the stale window has passed."""
+        """Until a cancel is requested (True; or the run was found dead meanwhile: `cancel_requested`): poll
+        for it, and each time save the stream's new events (which refreshes the heartbeat), or else refresh
+        the heartbeat when a third of the stale window has passed. A database that fails is logged once per
+        reason (LazyStore.failed), not once per poll, and once when it works again."""
         saved = len(run.events)
         beat_s = run.store.stale_after_s / 3
         last_beat = anyio.current_time()
@@ -386,8 +388,13 @@ class ResponsesService:
                 elif anyio.current_time() - last_beat >= beat_s:
                     await run.store.heartbeat(run.id)
                     last_beat = anyio.current_time()
-            except Exception:  # the database: the run goes on, and the next poll tries again
+            except DATABASE_ERRORS as exc:  # the run goes on, and the next poll tries again
+                self.stores.failed(exc)
+                continue
+            except Exception:  # a bug of ours: logged, and the next poll tries again
                 log.exception("response %s: polling the store failed", run.id)
+                continue
+            self.stores.working()
 
     # ----- stored responses -------------------------------------------------------------------------------
     async def get(self, owner: str, response_id: str) -> dict[str, Any]:

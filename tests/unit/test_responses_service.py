@@ -6,6 +6,7 @@ response replays and follows; another owner gets 404s; the previous response's i
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -327,6 +328,72 @@ async def test_a_follower_of_a_run_whose_process_died_ends_failed(tmp_path: Path
             group.cancel_scope.cancel()
     finally:
         await store.close()
+
+
+async def test_a_run_found_dead_while_its_process_was_silent_stops_and_stays_failed(tmp_path: Path) -> None:
+    """A worker silent past the window (stopped, starved) whose run another reader found dead: its run is told
+    to stop at its next poll, gives back what it held, and what it would still write changes nothing."""
+    now = [1_000_000.0]
+    store = await ResponseStore.open(f"sqlite:///{tmp_path / 'r.sqlite3'}", clock=lambda: now[0], stale_after_s=30)
+    try:
+        async with anyio.create_task_group() as group:
+            service = ResponsesService(store, group, poll_s=0.01)
+            run, _ = await new_run(service, background=True, stream=True)
+            released = anyio.Event()
+            generation = ScriptedGeneration([TextDelta("partial", None)], hold=True)
+
+            async def start() -> Any:
+                return generation
+
+            await service.start_background(run, start, released.set)
+            await wait_status(service, run.id, "in_progress")
+            now[0] += 31  # silent for longer than the window, as far as the database can tell
+            follower = ResponsesService(store, poll_s=0.01)  # another process's service
+            assert (await follower.get("alice", run.id))["status"] == "failed"
+            with anyio.fail_after(10):
+                await released.wait()
+            assert run.id not in service.runs
+            stored = await store.get("alice", run.id)
+            assert stored.status == "failed" and stored.response["error"]["code"] == "server_error"
+            assert stored.events is not None and stored.events[-1]["type"] == "response.failed"
+            group.cancel_scope.cancel()
+    finally:
+        await store.close()
+
+
+async def test_a_database_outage_under_a_background_run_is_logged_once(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    async with opened(tmp_path) as service:
+        run, _ = await new_run(service, background=True)
+        released = anyio.Event()
+        generation = ScriptedGeneration([TextDelta("partial", None)], hold=True)
+
+        async def start() -> Any:
+            return generation
+
+        await service.start_background(run, start, released.set)
+        await wait_status(service, run.id, "in_progress")
+        failures, enough = 0, anyio.Event()
+
+        async def unreachable(response_id: str) -> bool:
+            nonlocal failures
+            failures += 1
+            if failures >= 20:
+                enough.set()
+            raise OSError("connection refused")
+
+        with caplog.at_level(logging.INFO, logger="frontend"):
+            service.store.cancel_requested = unreachable  # type: ignore[method-assign]
+            with anyio.fail_after(10):
+                await enough.wait()  # 20 polls failed
+            del service.store.cancel_requested  # back
+            assert (await service.cancel("alice", run.id))["status"] == "cancelled"
+            with anyio.fail_after(10):
+                await released.wait()
+        lines = [record.getMessage() for record in caplog.records]
+        assert sum("stored responses unavailable" in line for line in lines) == 1, lines
+        assert sum("available again" in line for line in lines) == 1, lines
+        assert not [line for line in lines if "polling the store failed" in line], lines
 
 
 def test_the_database_password_comes_from_a_file_or_the_environment(tmp_path: Path,
