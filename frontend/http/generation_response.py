@@ -1,10 +1,10 @@
-"""The HTTP response of a generation: SSE or one JSON body, with the client watched from the first byte.
+"""The HTTP response of a chat or text completion: SSE or one JSON body, with the client watched from the
+first byte (watched_response.py).
 
-A route returns a `GenerationResponse`; running it runs the generation. It listens for the client's
-disconnect from the start (also while the first token is still coming, and for non-streamed requests):
-a client that leaves cancels every engine request of its generation at once, instead of when the next
-write fails. A stream's HTTP status is sent with its first delta, so a failure before any token still
-gets a real status (JSON error); after that, a failure ends the stream with an error event and [DONE].
+A route returns a `GenerationResponse`; sending it runs the generation. A client that leaves cancels every
+engine request of its generation at once. A stream's HTTP status is sent with its first delta, so a failure
+before any token still gets a real status (JSON error); after that, a failure ends the stream with an error
+event and [DONE].
 """
 
 from __future__ import annotations
@@ -13,21 +13,16 @@ import logging
 from typing import Awaitable, TypeVar
 
 import anyio
-from anyio import CancelScope
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Send
 
 from frontend.api_types.errors import OpenAIError
 from frontend.http.renderers import Renderer
 from frontend.generation.serving import Generation, TextDelta
 from frontend.http.sse import DONE, sse_json
+from frontend.http.watched_response import WatchedResponse
 
 log = logging.getLogger("frontend")
 T = TypeVar("T")
-
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
-CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but the access log and metrics show it
 
 
 async def _internal_errors_as_500(awaitable: Awaitable[T]) -> T:
@@ -41,58 +36,31 @@ async def _internal_errors_as_500(awaitable: Awaitable[T]) -> T:
         raise OpenAIError(500, f"internal error: {type(exc).__name__}", "server_error") from exc
 
 
-class GenerationResponse(Response):
-    """A Starlette Response (so FastAPI passes it through untouched) that runs the generation when sent."""
+class GenerationResponse(WatchedResponse):
+    """Runs the generation when sent: its deltas as SSE (`stream`), or its choices as one JSON body."""
 
     def __init__(self, generation: Generation, renderer: Renderer, *, stream: bool, include_usage: bool,
                  request_id: str):
-        super().__init__()
+        super().__init__(request_id)
         self.generation = generation
         self.renderer = renderer
         self.stream = stream
         self.include_usage = include_usage
-        self.request_id = request_id
-        self.client_gone = False
-        self._started = False  # the response's status and headers are sent
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._watch, receive, group.cancel_scope)
-            if self.stream:
-                await self._stream(send)
-            else:
-                await self._body(send)
-            group.cancel_scope.cancel()  # done: stop watching
-        if self.client_gone and not self._started:
-            await self._send_json(send, CLIENT_CLOSED_REQUEST, b"")
-
-    async def _watch(self, receive: Receive, scope: CancelScope) -> None:
-        """Cancel the generation (and with it every engine request) when the client disconnects."""
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.client_gone = True
-        scope.cancel()
-
-    def _headers(self, content_type: bytes | None = None) -> list[tuple[bytes, bytes]]:
-        headers = [(b"x-request-id", self.request_id.encode("latin-1"))]
-        return headers + ([(b"content-type", content_type)] if content_type else [])
-
-    async def _send_json(self, send: Send, status: int, body: bytes,
-                         extra_headers: dict[str, str] | None = None) -> None:
-        headers = self._headers(b"application/json") + [(b"content-length", str(len(body)).encode())]
-        headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (extra_headers or {}).items()]
-        self._started = True
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+    async def send_body(self, send: Send) -> None:
+        if self.stream:
+            await self._stream(send)
+        else:
+            await self._body(send)
 
     async def _body(self, send: Send) -> None:
         try:
             results = await _internal_errors_as_500(self.generation.collect())
         except OpenAIError as exc:
-            await self._send_json(send, exc.status, exc.json_bytes(), exc.headers)
+            await self.send_json(send, exc.status, exc.json_bytes(), exc.headers)
             return
         body = self.renderer.body(results, self.generation.usage)
-        await self._send_json(send, 200, body.model_dump_json().encode("utf-8"))
+        await self.send_json(send, 200, body.model_dump_json().encode("utf-8"))
 
     async def _stream(self, send: Send) -> None:
         async def write(frames: list[bytes]) -> None:
@@ -103,9 +71,8 @@ class GenerationResponse(Response):
                 await send({"type": "http.response.body", "body": body, "more_body": True})
 
         async def deliver(index: int, delta: TextDelta) -> None:
-            if not self._started:
-                self._started = True
-                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + self._headers()})
+            if not self.started:
+                await self.start_stream(send)
                 await write(self.renderer.stream_start())
             await write(self.renderer.stream_delta(index, delta))
 
@@ -124,8 +91,8 @@ class GenerationResponse(Response):
             if self.include_usage:
                 await write([self.renderer.stream_usage(self.generation.usage)])
         except OpenAIError as exc:
-            if not self._started:
-                await self._send_json(send, exc.status, exc.json_bytes(), exc.headers)
+            if not self.started:
+                await self.send_json(send, exc.status, exc.json_bytes(), exc.headers)
                 return
             await write([sse_json(exc.body())])
         await send({"type": "http.response.body", "body": DONE, "more_body": False})

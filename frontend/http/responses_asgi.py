@@ -1,7 +1,7 @@
 """The HTTP responses of /v1/responses: a run in the foreground (SSE events or one JSON body), and a stored
 stream followed (SSE), each watching its client from the first byte.
 
-As on chat (frontend/http/generation_response.py), a client that leaves cancels the foreground generation
+As on chat (frontend/http/watched_response.py), a client that leaves cancels the foreground generation
 and its engine request at once, and a stream's status is sent with its first output, so that a failure
 before any token is a real HTTP error; after that a failure is an `error` event and then `response.failed`.
 A follower that leaves stops following only: the response it follows runs on.
@@ -12,67 +12,19 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-import anyio
-from anyio import CancelScope
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Send
 
 from frontend.generation.serving import Generation
 from frontend.api_types.errors import OpenAIError
+from frontend.http.watched_response import WatchedResponse
 from frontend.responses_api.events import Event, sse_frame
 from frontend.responses_api.run import ResponseRun
-
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
-CLIENT_CLOSED_REQUEST = 499  # nginx's code, for the access log and metrics
-
 
 def json_body(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-class _Watched(Response):
-    """Sends its body while watching for the client's disconnect, which cancels the sending."""
-
-    def __init__(self, request_id: str):
-        super().__init__()
-        self.request_id = request_id
-        self.client_gone = False
-        self.started = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._watch, receive, group.cancel_scope)
-            await self.send_body(send)
-            group.cancel_scope.cancel()
-        if self.client_gone and not self.started:
-            await self.send_json(send, CLIENT_CLOSED_REQUEST, b"")
-
-    async def send_body(self, send: Send) -> None:
-        raise NotImplementedError
-
-    async def _watch(self, receive: Receive, scope: CancelScope) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.client_gone = True
-        scope.cancel()
-
-    async def start_stream(self, send: Send) -> None:
-        if not self.started:
-            self.started = True
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": SSE_HEADERS + [(b"x-request-id", self.request_id.encode("latin-1"))]})
-
-    async def send_json(self, send: Send, status: int, body: bytes, extra: dict[str, str] | None = None) -> None:
-        headers = [(b"x-request-id", self.request_id.encode("latin-1")), (b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode())]
-        headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (extra or {}).items()]
-        self.started = True
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-
-class ForegroundResponse(_Watched):
+class ForegroundResponse(WatchedResponse):
     """Runs the response when sent: its events as SSE (`stream`), or its final object as JSON."""
 
     def __init__(self, run: ResponseRun, generation: Generation, save: Callable[[], Awaitable[None]], *,
@@ -112,7 +64,7 @@ class ForegroundResponse(_Watched):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-class FollowResponse(_Watched):
+class FollowResponse(WatchedResponse):
     """A stored stream's events as SSE, replayed and then followed (GET ?stream=true, background streams)."""
 
     def __init__(self, events: AsyncIterator[Event], *, request_id: str):
