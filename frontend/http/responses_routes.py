@@ -28,6 +28,7 @@ from frontend.api_types.request_bodies import ChatCompletionRequest
 from frontend.planning.chat_plan import ChatPlan
 from frontend.planning.guide_check import check_guides
 from frontend.planning.logprob_rules import check_logprobs_meaning
+from frontend.planning.sampling import engine_sampling
 from frontend.policy.deadlines import Deadline
 from frontend.http.responses_asgi import FollowResponse, ForegroundResponse
 from frontend.responses_api.conversation import drop_oldest_turns
@@ -65,8 +66,8 @@ async def planned_prompt(request: Request, chat: ChatCompletionRequest, messages
     conversation that does not fit (prompt and max_output_tokens) in the model's context."""
     with responses_params():
         check_top_logprobs(chat.num_top_logprobs, context, "top_logprobs")
-        check_logprobs_meaning(chat, chat.logprobs, context.log_probs, "include")
         plan = ChatPlan.build(chat, context)
+        check_logprobs_meaning(engine_sampling(chat, plan.guide), chat.logprobs, context.log_probs, "include")
         await check_guides(request.app.state, context.engine, plan.guide, plan.guide_parts)
 
         async def render(conversation: list[dict[str, Any]]) -> list[int]:

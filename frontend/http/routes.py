@@ -238,8 +238,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Gene
     limits(request).check_stops(req.stop_strings)
     context = await model_context(request, req.model)
     check_top_logprobs(req.num_top_logprobs, context, "top_logprobs")
-    check_logprobs_meaning(req, req.logprobs, context.log_probs, "logprobs")
     plan = ChatPlan.build(req, context)  # the tools rendered, the guide and the answer's parsers, together
+    check_logprobs_meaning(engine_sampling(req, plan.guide), req.logprobs, context.log_probs, "logprobs")
     await check_guides(request.app.state, context.engine, plan.guide, plan.guide_parts)  # compiles, or a 400
     check_fits_context(messages_text(req.messages), context, "messages")
     prompt_ids = await off_loop(request, context.tokenizer.apply_chat_template,
@@ -259,8 +259,8 @@ async def completions(req: CompletionRequest, request: Request) -> GenerationRes
     limits(request).check_stops(req.stop_strings)
     context = await model_context(request, req.model)
     check_top_logprobs(req.logprobs, context, "logprobs")
-    check_logprobs_meaning(req, req.logprobs is not None, context.log_probs, "logprobs")
     guide = extension_guide(req)
+    check_logprobs_meaning(engine_sampling(req, guide), req.logprobs is not None, context.log_probs, "logprobs")
     await check_guides(request.app.state, context.engine, guide)  # compiles, or a 400, before any engine
     prompts: list[list[int]] = []
     for prompt in req.prompts:

@@ -171,6 +171,17 @@ def test_logprobs_that_would_mean_something_else_are_a_400_on_tensorrt_llm(stack
         error = refused.json()["error"]
         assert error["param"] == "logprobs" and error["type"] == "invalid_request_error"
     assert post(contract_url, "chat/completions", {**body, "temperature": 0}).status_code == 200
+    # min_tokens masks the end id, unless the engine gets none: ignore_eos sends min_tokens 0 (planning/sampling.py),
+    # except under a guide, which keeps the end id and so min_tokens.
+    greedy = {**body, "temperature": 0, "min_tokens": 3}
+    assert post(contract_url, "chat/completions", greedy).status_code == 400
+    assert post(contract_url, "chat/completions", {**greedy, "ignore_eos": True}).status_code == 200
+    guided = {**greedy, "ignore_eos": True, "response_format": {"type": "json_object"}}
+    assert post(contract_url, "chat/completions", guided).status_code == 400
+    completion = {"model": stack.model, "prompt": "The lighthouse keeper", "max_tokens": 4, "temperature": 0,
+                  "logprobs": 0, "min_tokens": 3}
+    assert post(contract_url, "completions", completion).status_code == 400
+    assert post(contract_url, "completions", {**completion, "ignore_eos": True}).status_code == 200
 
 
 # ----- the executor's queue ----------------------------------------------------------------------------------
