@@ -148,7 +148,8 @@ class RequestBudget:
         def first(ttft: float) -> None:
             record.ttft_s = ttft if record.ttft_s is None else min(record.ttft_s, ttft)
 
-        return TokenTiming(record.started, self.edge.metrics, record.route, first)
+        # The route has picked the model (routes.model_context) before it starts any generation.
+        return TokenTiming(record.started, self.edge.metrics, record.route, record.model, first)
 
     def record_delta(self, delta: TextDelta) -> None:
         record = self.record

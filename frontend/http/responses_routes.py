@@ -97,7 +97,8 @@ def detached(request: Request, context: ModelContext) -> tuple[Request, Callable
     lease, taken now), a deadline shutdown aborts; and what gives them all back when the run ends."""
     ctx, edge, settings = request_context(request), request.app.state.edge, request.app.state.settings
     record = RequestContext(ctx.request_id, CREATE_ROUTE, "POST", time.monotonic(), key_id=ctx.key_id,
-                            deadline=Deadline(settings.request_timeout_s))
+                            deadline=Deadline(settings.request_timeout_s), model=ctx.model,
+                            model_version=ctx.model_version)
     budget = record.budget = RequestBudget(edge, record)
     if context.engine is not None:
         budget.lease(context.engine)

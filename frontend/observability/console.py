@@ -8,7 +8,12 @@ snapshots: tokens/s per served model (tritonllm_completion_tokens), requests in 
 (the admission gauges), TTFT and inter-token latency percentiles over the last `quantile_window_s` (from the
 histograms' buckets, as Prometheus' histogram_quantile estimates them), and KV-cache use per engine model
 (Triton's cpu_engine_kv_cache_usage_ratio or TensorRT-LLM's nv_trt_llm_kv_cache_block_metrics fraction; only
-with triton_metrics_url). Counters are the server's totals, so with several workers any worker's snapshots
+with triton_metrics_url).
+
+The latency percentiles come twice: `ttft_s` and `itl_s` for the whole server (every route and model), and
+`ttft_s_by_model` and `itl_s_by_model` per served model (the histograms' `model` label; "(none)" for requests
+that named no model the server knows), {model: {"p50": [...], "p95": [...], "p99": [...]}}, one point per
+snapshot like every other series. Counters are the server's totals, so with several workers any worker's snapshots
 give the right rates: each worker keeps its own history, filled while pages poll it.
 """
 
@@ -32,7 +37,9 @@ class Snapshot:
     t: float  # wall-clock seconds (the charts' x axis)
     tokens: dict[str, float] = field(default_factory=dict)  # served model -> completion tokens so far
     ttft: dict[float, float] = field(default_factory=dict)  # bucket upper bound -> cumulative count, all routes
-    itl: dict[float, float] = field(default_factory=dict)
+    itl: dict[float, float] = field(default_factory=dict)  # and models
+    ttft_by_model: dict[str, dict[float, float]] = field(default_factory=dict)  # served model -> its buckets
+    itl_by_model: dict[str, dict[float, float]] = field(default_factory=dict)
     in_flight: float = 0.0
     queued: float = 0.0
     waiting: float = 0.0
@@ -49,9 +56,12 @@ def snapshot(text: str, t: float) -> Snapshot:
                 model = labels.get("model") or "(none)"
                 snap.tokens[model] = snap.tokens.get(model, 0.0) + value
             elif name in (f"{PREFIX}_time_to_first_token_seconds_bucket", f"{PREFIX}_inter_token_latency_seconds_bucket"):
-                buckets = snap.ttft if "first_token" in name else snap.itl
+                ttft = "first_token" in name
                 bound = float(labels["le"])
-                buckets[bound] = buckets.get(bound, 0.0) + value
+                model = labels.get("model") or "(none)"
+                for buckets in ((snap.ttft, snap.ttft_by_model.setdefault(model, {})) if ttft
+                                else (snap.itl, snap.itl_by_model.setdefault(model, {}))):
+                    buckets[bound] = buckets.get(bound, 0.0) + value
             elif name == f"{PREFIX}_requests_in_flight":
                 snap.in_flight = value
             elif name == f"{PREFIX}_requests_queued":
@@ -107,11 +117,18 @@ class ConsoleSummary:
     def summary(self) -> dict[str, Any]:
         """The series, one point per snapshot after the first (rates need two)."""
         snaps = list(self.snapshots)
-        out: dict[str, Any] = {"window_s": self.window_s, "t": [], "tokens_per_s": {}, "in_flight": [], "queued": [],
-                               "waiting": [], "kv_cache_usage": {}, "ttft_s": {f"p{round(q * 100)}": [] for q in QUANTILES},
-                               "itl_s": {f"p{round(q * 100)}": [] for q in QUANTILES}}
+
+        def percentiles() -> dict[str, list[float | None]]:
+            return {f"p{round(q * 100)}": [] for q in QUANTILES}
+
         models = sorted({m for s in snaps for m in s.tokens})
         engines = sorted({m for s in snaps for m in s.kv_cache})
+        ttft_models = sorted({m for s in snaps for m in s.ttft_by_model})
+        itl_models = sorted({m for s in snaps for m in s.itl_by_model})
+        out: dict[str, Any] = {"window_s": self.window_s, "t": [], "tokens_per_s": {}, "in_flight": [], "queued": [],
+                               "waiting": [], "kv_cache_usage": {}, "ttft_s": percentiles(), "itl_s": percentiles(),
+                               "ttft_s_by_model": {m: percentiles() for m in ttft_models},
+                               "itl_s_by_model": {m: percentiles() for m in itl_models}}
         out["tokens_per_s"] = {m: [] for m in models}
         out["kv_cache_usage"] = {m: [] for m in engines}
         base = 0  # the oldest snapshot within quantile_window_s of the current one
@@ -132,6 +149,12 @@ class ConsoleSummary:
                 key = f"p{round(q * 100)}"
                 out["ttft_s"][key].append(quantile(q, new.ttft, snaps[base].ttft))
                 out["itl_s"][key].append(quantile(q, new.itl, snaps[base].itl))
+                for m in ttft_models:
+                    out["ttft_s_by_model"][m][key].append(quantile(q, new.ttft_by_model.get(m, {}),
+                                                                   snaps[base].ttft_by_model.get(m, {})))
+                for m in itl_models:
+                    out["itl_s_by_model"][m][key].append(quantile(q, new.itl_by_model.get(m, {}),
+                                                                  snaps[base].itl_by_model.get(m, {})))
         return out
 
 

@@ -47,10 +47,11 @@ class Metrics:
                                   "the last byte", ["route"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram(f"{PREFIX}_request_queue_time_seconds", "time waiting for admission (an "
                                     "in-flight slot)", ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        # model: the served model id, as on requests ("" when unknown)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "arrival to the first generated token (queue time included)",
-                              ["route"], buckets=LATENCY_BUCKETS, registry=r)
+                              ["route", "model"], buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "time between generated tokens, per "
-                             "token, after the first", ["route"], buckets=TOKEN_BUCKETS, registry=r)
+                             "token, after the first", ["route", "model"], buckets=TOKEN_BUCKETS, registry=r)
         self.live = LiveGauges()
         r.register(self.live)
 
@@ -189,19 +190,23 @@ async def exposition(metrics: Metrics, triton: TritonMetrics, occupancy: tuple[i
 
 
 class TokenTiming:
-    """Time to first token and inter-token latency of one engine request (one choice).
+    """Time to first token and inter-token latency of one engine request (one choice), under its route and
+    served model.
 
     Inter-token latencies are counted into a local copy of the histogram's buckets and added to the shared
     histogram every ITL_FLUSH_TOKENS tokens and when the request ends (`close`): a Histogram.observe per
     token measured 2-4 us (more in multiprocess mode, where each is a write to a memory-mapped file), the
-    largest single item of the frontend's per-token cost after gRPC and the socket."""
+    largest single item of the frontend's per-token cost after gRPC and the socket. The labelled children
+    are looked up once per TokenTiming (at its first use), not per flush."""
 
-    def __init__(self, started: float, metrics: Metrics | None, route: str,
+    def __init__(self, started: float, metrics: Metrics | None, route: str, model: str,
                  on_first: Callable[[float], None] | None = None):
         self.started = started
         self._on_first = on_first
         self._metrics = metrics
         self._route = route
+        self._model = model
+        self._itl: Histogram | None = None  # metrics.itl's child for (route, model), once first needed
         self._last: float | None = None
         self._counts = [0] * (len(TOKEN_BUCKETS) + 1)  # per bucket (the last: +Inf), not yet in the histogram
         self._sum = 0.0
@@ -216,7 +221,7 @@ class TokenTiming:
         if self._last is None:
             self.ttft_s = now - self.started
             if self._metrics is not None:
-                self._metrics.ttft.labels(self._route).observe(self.ttft_s)
+                self._metrics.ttft.labels(self._route, self._model).observe(self.ttft_s)
             if self._on_first is not None:
                 self._on_first(self.ttft_s)
         elif self._metrics is not None:
@@ -233,7 +238,9 @@ class TokenTiming:
         """Add the counted latencies to the shared histogram: what `observe` would have, one call per bucket."""
         if not self._pending or self._metrics is None:
             return
-        add_observations(self._metrics.itl.labels(self._route), self._counts, self._sum)
+        if self._itl is None:
+            self._itl = self._metrics.itl.labels(self._route, self._model)
+        add_observations(self._itl, self._counts, self._sum)
         self._counts = [0] * len(self._counts)
         self._sum, self._pending = 0.0, 0
 

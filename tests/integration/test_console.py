@@ -234,7 +234,35 @@ def test_5_the_charts_draw_non_empty_series_after_traffic(page: Any) -> None:
     assert page.errors == []
 
 
-def test_6_a_second_model_is_picked_and_model_html_is_shown_as_text(browser: Any, console: Console) -> None:
+def test_6_the_latency_charts_show_the_chosen_models_percentiles(page: Any, stack: Stack) -> None:
+    page.set_viewport_size(DESKTOP)
+    assert page.input_value("#latency-model") == ""  # all models: the server's own series
+    page.wait_for_function("(model) => [...document.querySelectorAll('#latency-model option')]"
+                           ".some(o => o.value === model)", arg=stack.model)
+    options = page.eval_on_selector_all("#latency-model option", "os => os.map(o => [o.value, o.textContent])")
+    assert options[0] == ["", "all models"] and [stack.model, stack.model] in options, options
+    page.select_option("#latency-model", stack.model)
+    for chart in ("chart-ttft", "chart-itl"):  # redrawn at once from the last summary, with this model's series
+        page.wait_for_function("([id, model]) => { const c = document.getElementById(id);"
+                               " return c.dataset.model === model && Number(c.dataset.points || 0) > 0; }",
+                               arg=[chart, stack.model])
+    assert stack.model in page.text_content("#chart-ttft .chart-title")
+    summary = page.evaluate("fetch('/console/summary.json').then(r => r.json())")
+    assert any(v is not None for v in summary["ttft_s_by_model"][stack.model]["p50"])
+    assert any(v is not None for v in summary["itl_s_by_model"][stack.model]["p50"])
+    assert len(summary["ttft_s_by_model"][stack.model]["p95"]) == len(summary["t"])
+    # the choice outlives the next refreshes of the charts
+    seen = int(page.get_attribute("#charts", "data-refreshes"))
+    page.wait_for_function(f"() => Number(document.getElementById('charts').dataset.refreshes) > {seen + 1}")
+    assert page.input_value("#latency-model") == stack.model
+    assert page.get_attribute("#chart-ttft", "data-model") == stack.model
+    screenshot(page, "charts-per-model-desktop.png", DESKTOP, "#charts")
+    page.select_option("#latency-model", "")
+    page.wait_for_function("() => document.getElementById('chart-ttft').dataset.model === ''")
+    assert page.errors == []
+
+
+def test_7_a_second_model_is_picked_and_model_html_is_shown_as_text(browser: Any, console: Console) -> None:
     context = browser.new_context(viewport=DESKTOP)
     tab = context.new_page()
     tab.set_default_timeout(WAIT_MS)

@@ -52,6 +52,59 @@ def test_rates_gauges_and_quantiles_between_snapshots() -> None:
     assert s["itl_s"]["p50"] == [None]  # no inter-token latency observed
 
 
+TWO_MODELS = """\
+# TYPE tritonllm_time_to_first_token_seconds histogram
+tritonllm_time_to_first_token_seconds_bucket{{route="/v1/chat/completions",model="fast",le="0.1"}} {fast}
+tritonllm_time_to_first_token_seconds_bucket{{route="/v1/chat/completions",model="fast",le="1.0"}} {fast}
+tritonllm_time_to_first_token_seconds_bucket{{route="/v1/chat/completions",model="fast",le="+Inf"}} {fast}
+tritonllm_time_to_first_token_seconds_bucket{{route="/v1/completions",model="fast",le="0.1"}} {fast}
+tritonllm_time_to_first_token_seconds_bucket{{route="/v1/completions",model="fast",le="1.0"}} {fast}
+tritonllm_time_to_first_token_seconds_bucket{{route="/v1/completions",model="fast",le="+Inf"}} {fast}
+tritonllm_time_to_first_token_seconds_bucket{{route="/v1/chat/completions",model="slow",le="0.1"}} 0
+tritonllm_time_to_first_token_seconds_bucket{{route="/v1/chat/completions",model="slow",le="1.0"}} {slow}
+tritonllm_time_to_first_token_seconds_bucket{{route="/v1/chat/completions",model="slow",le="+Inf"}} {slow}
+# TYPE tritonllm_inter_token_latency_seconds histogram
+tritonllm_inter_token_latency_seconds_bucket{{route="/v1/chat/completions",model="slow",le="0.01"}} 0
+tritonllm_inter_token_latency_seconds_bucket{{route="/v1/chat/completions",model="slow",le="0.1"}} {slow}
+tritonllm_inter_token_latency_seconds_bucket{{route="/v1/chat/completions",model="slow",le="+Inf"}} {slow}
+"""
+
+
+def test_each_model_has_its_own_latency_percentiles_and_the_server_wide_ones_take_both() -> None:
+    now = [0.0]
+    console = ConsoleSummary(clock=lambda: now[0])
+    console.add(TWO_MODELS.format(fast=0, slow=0).encode())
+    now[0] += 1.0
+    console.add(TWO_MODELS.format(fast=2, slow=4).encode())  # fast: 4 TTFTs <= 0.1 s (two routes); slow: 4 in 0.1..1
+    s = console.summary()
+    assert sorted(s["ttft_s_by_model"]) == ["fast", "slow"] and list(s["itl_s_by_model"]) == ["slow"]
+    by_model = s["ttft_s_by_model"]
+    assert by_model["fast"]["p50"] == [pytest.approx(0.05)]  # rank 2 of 4 in 0..0.1
+    assert by_model["slow"]["p50"] == [pytest.approx(0.1 + 0.9 * 2 / 4)]  # rank 2 of 4 in 0.1..1
+    assert by_model["fast"]["p99"] == [pytest.approx(0.099)] and by_model["slow"]["p99"] == [pytest.approx(0.991)]
+    # the server's: the 8 together (rank 4 of 8 is the top of the first bucket; rank 7.6 the slow model's)
+    assert s["ttft_s"]["p50"] == [pytest.approx(0.1)]
+    assert s["ttft_s"]["p95"] == [pytest.approx(0.1 + 0.9 * (7.6 - 4) / 4)]
+    assert s["itl_s"]["p50"] == s["itl_s_by_model"]["slow"]["p50"] == [pytest.approx(0.01 + 0.09 * 2 / 4)]
+    now[0] += 1.0
+    console.add(TWO_MODELS.format(fast=2, slow=4).encode())  # one point per snapshot, as every series
+    s = console.summary()
+    assert len(s["t"]) == len(s["ttft_s_by_model"]["fast"]["p95"]) == len(s["itl_s_by_model"]["slow"]["p99"]) == 2
+
+
+def test_a_model_that_appears_later_has_no_value_before() -> None:
+    now = [0.0]
+    console = ConsoleSummary(clock=lambda: now[0])
+    console.add(b"")
+    now[0] += 1.0
+    console.add(b"")
+    now[0] += 1.0
+    console.add(TWO_MODELS.format(fast=1, slow=0).encode())
+    s = console.summary()
+    assert s["ttft_s_by_model"]["fast"]["p50"][0] is None and s["ttft_s_by_model"]["fast"]["p50"][1] is not None
+    assert s["ttft_s_by_model"]["slow"]["p50"] == [None, None]  # buckets without observations
+
+
 def test_old_snapshots_leave_the_window() -> None:
     now = [0.0]
     console = ConsoleSummary(window_s=10.0, clock=lambda: now[0])
@@ -70,11 +123,14 @@ def test_quantile_past_the_last_bound_and_without_observations() -> None:
 def test_a_real_registry_is_read() -> None:
     metrics = Metrics()
     metrics.completion_tokens.labels("/v1/chat/completions", "demo", "").inc(7)
-    metrics.ttft.labels("/v1/chat/completions").observe(0.03)
+    metrics.ttft.labels("/v1/chat/completions", "demo").observe(0.03)
+    metrics.ttft.labels("/v1/completions", "other").observe(2.0)
     metrics.live.in_flight = 2
     snap = snapshot(metrics.render().decode(), 0.0)
     assert snap.tokens == {"demo": 7.0} and snap.in_flight == 2
-    assert snap.ttft[0.05] == 1 and snap.ttft[0.025] == 0
+    assert snap.ttft[0.05] == 1 and snap.ttft[0.025] == 0 and snap.ttft[2.5] == 2
+    assert snap.ttft_by_model["demo"][0.05] == 1 and snap.ttft_by_model["demo"][2.5] == 1
+    assert snap.ttft_by_model["other"][0.05] == 0 and snap.ttft_by_model["other"][2.5] == 1
 
 
 def test_the_page_headers_and_the_switch() -> None:

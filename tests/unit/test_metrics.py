@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -343,7 +344,7 @@ def test_token_timing_counts_what_observe_would_have(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(frontend_metrics.time, "monotonic", lambda: next(clock))
     server_metrics = frontend_metrics.Metrics()
     first: list[float] = []
-    timing = frontend_metrics.TokenTiming(0.0, server_metrics, "/v1/chat/completions", first.append)
+    timing = frontend_metrics.TokenTiming(0.0, server_metrics, "/v1/chat/completions", "demo", first.append)
     expected = Histogram("expected", "", buckets=frontend_metrics.TOKEN_BUCKETS, registry=CollectorRegistry())
     for count in [1, 1, 1, 2, 1, 3] + [1] * 200 + [2, 1]:
         before = timing._last
@@ -365,3 +366,45 @@ def test_token_timing_counts_what_observe_would_have(monkeypatch: pytest.MonkeyP
     got, want = samples(server_metrics.itl), samples(expected)
     assert got.keys() == want.keys()
     assert all(got[key] == pytest.approx(want[key]) for key in want), (got, want)
+
+
+def test_token_timing_observes_under_its_route_and_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TTFT and inter-token latency are labelled with the served model: two models' streams land in two
+    series, each with its own latencies; the labelled child is looked up once per stream, not per flush."""
+    from frontend.observability import metrics as frontend_metrics
+
+    now = [0.0]
+    monkeypatch.setattr(frontend_metrics.time, "monotonic", lambda: now[0])
+    server_metrics = frontend_metrics.Metrics()
+    lookups: list[tuple[str, ...]] = []
+    real_labels = server_metrics.itl.labels
+    monkeypatch.setattr(server_metrics.itl, "labels", lambda *names: lookups.append(names) or real_labels(*names))
+    for model, ttft, step in (("fast", 0.02, 0.002), ("slow", 3.0, 0.2)):
+        now[0] = 0.0
+        timing = frontend_metrics.TokenTiming(0.0, server_metrics, "/v1/chat/completions", model)
+        now[0] = ttft
+        timing.tokens(1)
+        for _ in range(2 * frontend_metrics.ITL_FLUSH_TOKENS + 1):  # two flushes on the way, one at close
+            now[0] += step
+            timing.tokens(1)
+        timing.close()
+    assert lookups == [("/v1/chat/completions", "fast"), ("/v1/chat/completions", "slow")]
+
+    def series(histogram: Any) -> dict[tuple[str, str], tuple[float, float]]:
+        """(route, model) -> (count, sum)"""
+        samples = histogram.collect()[0].samples
+        return {(s.labels["route"], s.labels["model"]): (
+            next(c.value for c in samples if c.name.endswith("_count") and c.labels == s.labels), s.value)
+            for s in samples if s.name.endswith("_sum")}
+
+    assert series(server_metrics.ttft) == {("/v1/chat/completions", "fast"): (1, pytest.approx(0.02)),
+                                           ("/v1/chat/completions", "slow"): (1, pytest.approx(3.0))}
+    tokens = 2 * frontend_metrics.ITL_FLUSH_TOKENS + 1
+    assert series(server_metrics.itl) == {("/v1/chat/completions", "fast"): (tokens, pytest.approx(tokens * 0.002)),
+                                          ("/v1/chat/completions", "slow"): (tokens, pytest.approx(tokens * 0.2))}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets = {(s.labels["model"], s.labels["le"]): s.value
+               for family in text_string_to_metric_families(server_metrics.render().decode())
+               for s in family.samples if s.name == "tritonllm_time_to_first_token_seconds_bucket"}
+    assert buckets[("fast", "0.025")] == 1 and buckets[("slow", "0.025")] == 0 and buckets[("slow", "5.0")] == 1

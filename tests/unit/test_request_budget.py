@@ -153,3 +153,43 @@ async def test_a_request_refused_by_admission_holds_nothing_afterwards() -> None
     assert status == 429
     assert (spies.engine.leases, spies.engine.releases) == (1, 1)
     assert spies.slot_releases == [] and len(spies.settlements) == 1  # no slot taken; tokens given back
+
+
+def latency_series(histogram: Any) -> dict[tuple[str, str], float]:
+    """(route, model) -> how many observations"""
+    return {(s.labels["route"], s.labels["model"]): s.value for s in histogram.collect()[0].samples
+            if s.name.endswith("_count")}
+
+
+async def test_the_token_timing_is_labelled_with_the_served_model_the_route_picked() -> None:
+    spies = Spies(CountingEngine(tokens_of("hello there, how are you")))
+    status, _ = await spies.post({"stream": True})
+    assert status == 200
+    metrics = spies.edge.metrics
+    assert latency_series(metrics.ttft) == {("/v1/chat/completions", MODEL): 1}
+    (itl,) = latency_series(metrics.itl).items()
+    assert itl[0] == ("/v1/chat/completions", MODEL) and itl[1] > 0
+
+
+async def test_a_background_response_times_its_tokens_under_the_model_too() -> None:
+    """A background run has a record of its own (responses_routes.detached): it carries the model the
+    request picked, so its token timing is labelled like a foreground one's."""
+    from starlette.requests import Request
+
+    from frontend.http.middleware import RequestContext
+    from frontend.http.responses_routes import detached
+    from frontend.http.routes import request_budget
+
+    app = create_app(Settings())
+    ctx = RequestContext("rid", "/v1/responses", "POST", 0.0, model=MODEL, model_version="3")
+    request = Request({"type": "http", "app": app, "state": {"ctx": ctx}})
+    background, release = detached(request, ModelContext(MODEL, 4096, THINKING_TOKENIZER, 0,  # type: ignore[arg-type]
+                                                         None, None, None))
+    try:
+        timer = request_budget(background).timer()
+        assert timer is not None
+        timer.tokens(1)
+        assert latency_series(app.state.edge.metrics.ttft) == {("/v1/responses", MODEL): 1}
+        assert (background.state.ctx.model, background.state.ctx.model_version) == (MODEL, "3")
+    finally:
+        release()

@@ -5,7 +5,9 @@
 (function () {
   const KEY_ITEM = "tritonllm-console-key";
   const $ = (id) => document.getElementById(id);
-  const state = { history: [], controller: null, charts: {} };
+  // latencyModel: the served model whose TTFT and inter-token latency the charts show ("": all models).
+  const state = { history: [], controller: null, charts: {}, summary: null, latencyModel: "", latencyModels: "",
+                  refreshes: 0 };
 
   function headers(json) {
     const h = {};
@@ -271,18 +273,64 @@
     chart.plot.setData([t].concat(names.map((n) => named[n])));
   }
 
+  // The latency charts' model picker: "all models" (the server's own series) and every served model the summary
+  // has latencies of (ttft_s_by_model, itl_s_by_model), rebuilt only when that list changes; the chosen model stays
+  // chosen across refreshes (and listed, should it have no data left in the window).
+  function updateLatencyModels(s) {
+    const names = new Set(Object.keys(s.ttft_s_by_model || {}).concat(Object.keys(s.itl_s_by_model || {})));
+    if (state.latencyModel) names.add(state.latencyModel);
+    const models = [...names].sort();
+    const signature = JSON.stringify(models);
+    const select = $("latency-model");
+    if (state.latencyModels !== signature) {
+      const all = element("option", "", "all models");
+      all.value = "";
+      select.replaceChildren(all);
+      for (const model of models) {
+        const option = element("option", "", model);
+        option.value = model;
+        select.appendChild(option);
+      }
+      state.latencyModels = signature;
+    }
+    select.value = state.latencyModel;
+    select.dataset.loaded = String(models.length);
+  }
+
+  function latencySeries(s, key) {
+    if (!state.latencyModel) return s[key];
+    const series = (s[key + "_by_model"] || {})[state.latencyModel];
+    if (series) return series;
+    const none = {};
+    for (const name of Object.keys(s[key])) none[name] = s.t.map(() => null);
+    return none;
+  }
+
+  function drawLatency(s) {
+    for (const [id, key] of [["chart-ttft", "ttft_s"], ["chart-itl", "itl_s"]]) {
+      draw(id, s.t, latencySeries(s, key));
+      const node = $(id);
+      const title = node.querySelector(".chart-title");
+      if (title) title.textContent = node.dataset.title + ": " + (state.latencyModel || "all models");
+      node.dataset.model = state.latencyModel;
+    }
+  }
+
   async function refreshCharts() {
     try {
       const response = await fetch("/console/summary.json", { headers: headers(false), credentials: "same-origin" });
       if (!response.ok) { $("charts-status").textContent = "(" + (await errorText(response)) + ")"; return; }
       const s = await response.json();
+      state.summary = s;
       $("charts-status").textContent = "";
       draw("chart-tokens", s.t, s.tokens_per_s);
       draw("chart-requests", s.t, { "in flight": s.in_flight, queued: s.queued, waiting: s.waiting });
-      draw("chart-ttft", s.t, s.ttft_s);
-      draw("chart-itl", s.t, s.itl_s);
+      updateLatencyModels(s);
+      drawLatency(s);
       draw("chart-kv", s.t, s.kv_cache_usage);
       $("charts").dataset.updated = String(s.t.length);
+      state.refreshes += 1;
+      $("charts").dataset.refreshes = String(state.refreshes);
     } catch (e) {
       $("charts-status").textContent = "(" + String(e) + ")";
     }
@@ -308,6 +356,10 @@
       sessionStorage.setItem(KEY_ITEM, $("api-key").value);
       $("api-key").value = "";
       if (await loadModels()) $("keybar").hidden = true;
+    });
+    $("latency-model").addEventListener("change", function () {
+      state.latencyModel = $("latency-model").value;
+      if (state.summary) drawLatency(state.summary);
     });
     window.addEventListener("resize", resizeCharts);
     loadModels();
