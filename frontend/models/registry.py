@@ -162,6 +162,7 @@ class ModelRegistry:
         # LoRA adapters (frontend/models/adapters.py): listed and selected like models.
         self.adapters = AdapterSet(parse_lora_modules(settings.lora_modules), settings.lora_max_rank,
                                    settings.lora_state_file)
+        self._shadowed_reported: set[str] = set()  # adapters named like a served model, logged once each
 
     @property
     def named(self) -> bool:
@@ -193,10 +194,13 @@ class ModelRegistry:
         return [single.served_model_name] if single is not None else []
 
     async def get(self, model: str | None = None) -> ModelContext:
-        """The context of `model` (None: the default one). 404 for a model this server does not serve."""
+        """The context of `model` (None: the default one). 404 for a model this server does not serve. A LoRA
+        adapter named like a served model never hides it (`_shadowed`)."""
         spec = self.adapters.spec(model) if model is not None else None
-        if spec is not None:
-            return await self.adapter_context(spec)
+        if spec is not None and spec.base != spec.name:  # (an adapter that names itself as its base is shadowed)
+            base = await self.get(spec.base)
+            if not self._shadowed(spec):
+                return await self.adapter_context(spec, base)
         key = model if self.named else None
         if self.named and (self._served is None or (key is not None and key not in self._served
                                                     and not self._index_is_fresh())):
@@ -250,10 +254,26 @@ class ModelRegistry:
         self._failed_loads.pop(key, None)
         return context
 
-    async def adapter_context(self, spec: AdapterSpec) -> ModelContext:
-        """An adapter's context: its base model's, named after the adapter, with an engine that sends the adapter
-        with each request. A base the server does not serve is a 404; an adapter that cannot serve it a 400."""
-        base = await self.get(spec.base)
+    def _is_model_name(self, name: str) -> bool:
+        """A name a served model answers to (as of the last refresh, or of the contexts loaded)."""
+        return name in self.served_ids() or any(c.served_model_name == name for c in self._contexts.values())
+
+    def _shadowed(self, spec: AdapterSpec) -> bool:
+        """An adapter (LORA_MODULES, or loaded before the model appeared) named like a served model: the model
+        keeps its name, the adapter is neither served nor listed; said once in the log."""
+        if not self._is_model_name(spec.name):
+            return False
+        if spec.name not in self._shadowed_reported:
+            self._shadowed_reported.add(spec.name)
+            log.error("LoRA adapter %s (%s) has the name of a served model: the model is served under it, the "
+                      "adapter is not; give the adapter another name", spec.name, spec.path)
+        return True
+
+    async def adapter_context(self, spec: AdapterSpec, base: ModelContext | None = None) -> ModelContext:
+        """An adapter's context: its base model's (`base`, when the caller has it), named after the adapter,
+        with an engine that sends the adapter with each request. A base the server does not serve is a 404; an
+        adapter that cannot serve it a 400."""
+        base = base if base is not None else await self.get(spec.base)
         try:
             adapter = self.adapters.converted(spec) or await asyncio.to_thread(
                 lambda: self.adapters.adapter(spec, base_shapes(base)))  # read and converted once, off the loop
@@ -270,7 +290,7 @@ class ModelRegistry:
         if self.adapters.spec(name) is not None:
             raise OpenAIError(400, f"The LoRA adapter '{name}' is already loaded; unload it first.",
                               "invalid_request_error", "lora_name", "lora_adapter_exists")
-        if name in self.served_ids() or any(c.served_model_name == name for c in self._contexts.values()):
+        if self._is_model_name(name):
             raise OpenAIError(400, f"'{name}' is a model's name.", "invalid_request_error", "lora_name",
                               "lora_adapter_exists")
         spec = AdapterSpec(name, Path(path), base)
@@ -300,7 +320,9 @@ class ModelRegistry:
         contexts = []
         for spec in self.adapters.specs().values():
             try:
-                contexts.append(await self.adapter_context(spec))
+                base = await self.get(spec.base)
+                if not self._shadowed(spec):
+                    contexts.append(await self.adapter_context(spec, base))
             except OpenAIError as exc:
                 log.warning("LoRA adapter %s is not listed: %s", spec.name, exc.message)
         return contexts

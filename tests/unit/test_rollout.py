@@ -618,3 +618,23 @@ async def test_a_swap_holds_the_other_workers_new_requests_until_the_new_version
     triton.gate.set()
     assert (await arriving).version == "2"
     assert (await task)["live_version"] == 2 and triton.most_loaded == 1
+
+
+async def test_a_lora_adapter_named_like_a_served_model_never_hides_it(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """LORA_MODULES naming an adapter after a served model: the model keeps its name (served, listed once), the
+    adapter is left out, and the log says so once. Also for an adapter that names itself as its base."""
+    model = make_model(tmp_path, [1], live=1)
+    triton = FakeTriton(model)
+    modules = json.dumps([{"name": NAME, "path": str(tmp_path / "no-adapter")},
+                          {"name": "twin", "path": str(tmp_path / "no-adapter"), "base_model_name": "twin"}])
+    registry = FakeRegistry(Settings(model_repository=tmp_path / "models", lora_modules=modules), triton)  # type: ignore[arg-type]
+    for _ in range(2):
+        context = await registry.get(NAME)
+        assert (context.served_model_name, context.parent, context.version) == (NAME, None, "1")
+    assert await registry.adapter_contexts() == []
+    shadowed = [r.getMessage() for r in caplog.records if "has the name of a served model" in r.getMessage()]
+    assert len(shadowed) == 1 and NAME in shadowed[0]
+    with pytest.raises(OpenAIError) as missing:
+        await registry.get("twin")  # its base is itself: a model this server does not have
+    assert missing.value.status == 404
