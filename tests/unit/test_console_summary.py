@@ -3,7 +3,6 @@ and from a real Metrics registry; the page's security headers and the CONSOLE sw
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 

@@ -553,7 +553,7 @@ async def test_a_version_1_database_is_migrated_and_its_rows_still_read(db_url: 
             await conn.execute(text(
                 "INSERT INTO stored_responses (id, owner, status, created_at, cancel_requested, response, output_items,"
                 " events, input_bytes, response_bytes, events_bytes) VALUES ('resp_old', 'alice', 'in_progress', "
-                f":created, FALSE, :response, '[]', :events, 0, 10, 10)"),
+                ":created, FALSE, :response, '[]', :events, 0, 10, 10)"),
                 {"created": T0, "response": '{"id":"resp_old","status":"in_progress"}',
                  "events": json.dumps(legacy_events)})
     finally:
