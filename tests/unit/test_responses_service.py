@@ -60,6 +60,20 @@ async def new_run(service: ResponsesService, owner: str = "alice", **fields: Any
     return service.run(prepared, "m", None), messages
 
 
+async def start_held(service: ResponsesService, run: ResponseRun) -> anyio.Event:
+    """Run `run` in the background on a generation that says "partial" and then holds until cancelled; once
+    it is in_progress, the event its end sets (when it gives back what it held)."""
+    released = anyio.Event()
+    generation = ScriptedGeneration([TextDelta("partial", None)], hold=True)
+
+    async def start() -> Any:
+        return generation
+
+    await service.start_background(run, start, released.set)
+    await wait_status(service, run.id, "in_progress")
+    return released
+
+
 async def test_a_foreground_run_is_stored_before_its_terminal_event(tmp_path: Path) -> None:
     async with opened(tmp_path) as service:
         run, _ = await new_run(service, stream=True)
@@ -124,14 +138,7 @@ async def test_a_background_run_completes_and_gives_back_what_it_held(tmp_path: 
 async def test_a_cancel_through_the_store_stops_a_background_run(tmp_path: Path) -> None:
     async with opened(tmp_path) as service:
         run, _ = await new_run(service, background=True, stream=True)
-        released = anyio.Event()
-        generation = ScriptedGeneration([TextDelta("partial", None)], hold=True)
-
-        async def start() -> Any:
-            return generation
-
-        await service.start_background(run, start, released.set)
-        await wait_status(service, run.id, "in_progress")
+        released = await start_held(service, run)
         cancelled = await service.cancel("alice", run.id)
         assert cancelled["status"] == "cancelled"
         with anyio.fail_after(10):
@@ -339,14 +346,7 @@ async def test_a_run_found_dead_while_its_process_was_silent_stops_and_stays_fai
         async with anyio.create_task_group() as group:
             service = ResponsesService(store, group, poll_s=0.01)
             run, _ = await new_run(service, background=True, stream=True)
-            released = anyio.Event()
-            generation = ScriptedGeneration([TextDelta("partial", None)], hold=True)
-
-            async def start() -> Any:
-                return generation
-
-            await service.start_background(run, start, released.set)
-            await wait_status(service, run.id, "in_progress")
+            released = await start_held(service, run)
             now[0] += 31  # silent for longer than the window, as far as the database can tell
             follower = ResponsesService(store, poll_s=0.01)  # another process's service
             assert (await follower.get("alice", run.id))["status"] == "failed"
@@ -365,14 +365,7 @@ async def test_a_database_outage_under_a_background_run_is_logged_once(tmp_path:
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     async with opened(tmp_path) as service:
         run, _ = await new_run(service, background=True)
-        released = anyio.Event()
-        generation = ScriptedGeneration([TextDelta("partial", None)], hold=True)
-
-        async def start() -> Any:
-            return generation
-
-        await service.start_background(run, start, released.set)
-        await wait_status(service, run.id, "in_progress")
+        released = await start_held(service, run)
         failures, enough = 0, anyio.Event()
 
         async def unreachable(response_id: str) -> bool:
